@@ -1,0 +1,90 @@
+"""The rank grid: torch.distributed + megatron-core's parallel_state, and device selection.
+
+Every process (a torchrun rank, a Slurm task, or a plain Python session) goes through
+`ensure_initialized`; a plain session gets a 1-rank gloo group on the fly, so that
+megatron-core's tensor-parallel layers work without a launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def default_device() -> torch.device:
+    """The device this process computes on: its local CUDA device if any, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_initialized(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> None:
+    """Initialise torch.distributed and megatron-core's parallel_state unless already done.
+
+    Under torchrun/Slurm the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) drives
+    the process group; without it this process becomes a 1-rank world on a local port.
+    """
+    from megatron.core import parallel_state
+
+    from parallel import megatron_compat
+
+    megatron_compat.apply()
+    if not dist.is_initialized():
+        device = default_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(
+                backend_for(device), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            create_gloo_process_groups=False)
+    else:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"parallel state already initialised as (tp, pp)={have}, "
+                               f"asked for {(tp, pp)}")
+
+
+def tp_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def tp_rank() -> int:
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def destroy() -> None:
+    """Tear down parallel_state and the process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

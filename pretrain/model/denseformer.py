@@ -1,0 +1,173 @@
+"""DenseFormer language model (a plain Transformer when `dwa=False`).
+
+    X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
+    logits = LM_head(final_norm(Y_d))          (LM head tied to the embedding)
+
+See config.py for the index conventions and dwa.py for the DWA pattern and contraction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import (
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+from parallel import groups
+from pretrain.model.config import DenseFormerConfig
+from pretrain.model.dwa import depth_weighted_average, dwa_inputs, dwa_mask, initial_alpha
+from pretrain.model.init import init_parameters
+from pretrain.model.layers import Block, RotaryEmbedding, _no_init
+
+
+def megatron_config(tp_size: int, sequence_parallel: bool = False) -> ModelParallelConfig:
+    """megatron-core layer config: we draw weights ourselves (layout-independent init)."""
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32)
+
+
+def _mark_tensor_parallel(model: nn.Module) -> None:
+    """Record each sharded weight's split dim (megatron sets it only when it inits weights)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        dim = {ColumnParallelLinear: 0, RowParallelLinear: 1, VocabParallelEmbedding: 0}.get(
+            type(module))
+        if dim is not None and not hasattr(module.weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(module.weight, True, dim, 1)
+
+
+class DenseFormer(nn.Module):
+    """DenseFormer LM; `model(tokens)` returns logits (B, S, vocab_size)."""
+
+    def __init__(self, config: DenseFormerConfig, *, seed: int = 0):
+        super().__init__()
+        config.validate()
+        groups.ensure_initialized()
+        self.config = cfg = config
+        self.tp_group = groups.tp_group()
+        self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
+        mp = megatron_config(self.tp_size)
+        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.d_model,
+                                                init_method=_no_init, config=mp,
+                                                tp_group=self.tp_group)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleList(
+            Block(cfg, mp, self.tp_group, self.rope) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.register_buffer("dwa_pattern", dwa_mask(cfg), persistent=False)
+        self._dwa_rows = dwa_inputs(cfg)
+        # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
+        self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
+        # X_j is kept until its last reader; last_reader[j] = the last DWA that reads X_j.
+        self._last_reader = {j: i for i, js in self._dwa_rows.items() for j in js}
+        _mark_tensor_parallel(self)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int) -> None:
+        """(Re-)draw every parameter from `seed`, identically for every layout."""
+        init_parameters(self.named_parameters(), self.config, seed, self.tp_rank, self.tp_size)
+
+    # -- the three stages of the forward pass --------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """X_0: token embeddings (B, S, H)."""
+        return self.embedding(tokens)
+
+    def run_blocks(self, x0: torch.Tensor) -> torch.Tensor:
+        """Y_d from X_0: every block, each followed by its DWA (if any)."""
+        kept = {0: x0} if 0 in self._last_reader else {}
+        y = x0
+        for i, block in enumerate(self.blocks, start=1):
+            x = block(y)
+            if i in self._last_reader:
+                kept[i] = x
+            js = self._dwa_rows.get(i)
+            if js is None:
+                y = x
+                continue
+            y = depth_weighted_average(self.dwa_alpha[i - 1, js], [kept[j] for j in js])
+            for j in js:
+                if self._last_reader[j] == i:
+                    del kept[j]
+        return y
+
+    def local_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """This TP rank's vocabulary shard of the logits, padded ids masked out."""
+        h = copy_to_tensor_model_parallel_region(self.final_norm(y), group=self.tp_group)
+        logits = F.linear(h, self.embedding.weight)
+        shard = logits.shape[-1]
+        start = self.tp_rank * shard
+        if start + shard > self.config.vocab_size:
+            padding = torch.arange(start, start + shard, device=logits.device)
+            padding = padding >= self.config.vocab_size
+            logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+        return logits
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        """Final norm and tied LM head: logits (B, S, vocab_size), padding removed."""
+        logits = gather_from_tensor_model_parallel_region(self.local_logits(y), group=self.tp_group)
+        return logits[..., : self.config.vocab_size]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.run_blocks(self.embed(tokens)))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over all positions (vocab-parallel)."""
+        logits = self.local_logits(self.run_blocks(self.embed(tokens)))
+        return cross_entropy(logits, targets)
+
+    # -- analysis ------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
+        n = sum(p.numel() for p in self.parameters())
+        if self.dwa_alpha is not None:
+            n -= self.dwa_alpha.numel() - int(self.dwa_pattern.sum())
+        if non_embedding:
+            n -= self.embedding.weight.numel()
+        return n
+
+    def dwa_matrix(self) -> torch.Tensor:
+        """alpha as a dense (d, d + 1) float tensor; identity rows for blocks without DWA."""
+        d = self.config.n_layers
+        matrix = torch.zeros(d, d + 1)
+        if self.dwa_alpha is not None:
+            matrix.copy_(self.dwa_alpha.detach().float().cpu())
+        for i in range(1, d + 1):
+            if i not in self._dwa_rows:
+                matrix[i - 1, i] = 1.0
+        return matrix
+
+    @torch.no_grad()
+    def load_dwa_matrix(self, matrix: torch.Tensor) -> None:
+        """Set alpha from a dense (d, d + 1) matrix; raise if it leaves the pattern."""
+        d = self.config.n_layers
+        matrix = torch.as_tensor(matrix, dtype=torch.float32)
+        if matrix.shape != (d, d + 1):
+            raise ValueError(f"DWA matrix must have shape {(d, d + 1)}, got {tuple(matrix.shape)}")
+        expected_fixed = self.dwa_matrix() * ~self.dwa_pattern.cpu()
+        outside = (matrix * ~self.dwa_pattern.cpu() - expected_fixed).abs() > 0
+        if outside.any():
+            i, j = outside.nonzero()[0].tolist()
+            raise ValueError(
+                f"DWA matrix puts weight {matrix[i, j].item():g} at row {i} (block {i + 1}), "
+                f"column {j} (X_{j}), outside the {self.config.dwa_dilation}x"
+                f"{self.config.dwa_period} pattern")
+        if self.dwa_alpha is not None:
+            self.dwa_alpha.copy_(matrix * self.dwa_pattern.cpu())
+
+
+def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy from vocab-sharded logits (B, S, V/TP) and targets (B, S)."""
+    per_token = vocab_parallel_cross_entropy(local_logits.float(), targets)
+    return per_token.mean()

@@ -1,0 +1,105 @@
+"""Transformer block built from megatron-core tensor-parallel layers.
+
+Pre-LN block: X_i = h + MLP(LN(h)), h = Y_{i-1} + Attn(LN(Y_{i-1})), with causal attention
+(`scaled_dot_product_attention`), RoPE, a 4x GELU MLP and LayerNorm without bias. QKV and the
+MLP's first layer are column-parallel (heads / hidden units split over the TP group), the
+attention output and the MLP's second layer row-parallel; at TP=1 they are plain linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from pretrain.model.config import DenseFormerConfig
+
+
+def _no_init(_: torch.Tensor) -> None:
+    """Megatron init hook that does nothing: `pretrain.model.init` draws every weight."""
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position embeddings (rotate-half convention)."""
+
+    def __init__(self, head_dim: int, seq_len: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (S, head_dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (B, heads, S, head_dim)."""
+        s = x.shape[-2]
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return x * self.cos[:s].to(x.dtype) + rotated * self.sin[:s].to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group):
+        super().__init__()
+        self.heads_local = cfg.n_heads // tp_group.size()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # Output features are laid out head-major, (head, q|k|v, head_dim), so that a
+        # contiguous TP shard holds whole heads with their q, k and v.
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, config=mp,
+                                        init_method=_no_init, bias=False, gather_output=False,
+                                        tp_group=tp_group)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, config=mp, init_method=_no_init,
+                                      bias=False, input_is_parallel=True, skip_bias_add=False,
+                                      tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv, _ = self.qkv(x)
+        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k, v = rope(qkv[0]), rope(qkv[1]), qkv[2]
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
+        return self.proj(out)[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc_in = ColumnParallelLinear(cfg.d_model, hidden, config=mp, init_method=_no_init,
+                                          bias=False, gather_output=False, tp_group=tp_group)
+        self.fc_out = RowParallelLinear(hidden, cfg.d_model, config=mp, init_method=_no_init,
+                                        bias=False, input_is_parallel=True, skip_bias_add=False,
+                                        tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)[0]))[0]
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block; with `skip_gains`, each residual gets a learned gain."""
+
+    def __init__(self, cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group,
+                 rope: RotaryEmbedding):
+        super().__init__()
+        self.rope = rope  # one table shared by all blocks (non-persistent buffers)
+        self.norm_attn = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.attn = Attention(cfg, mp, tp_group)
+        self.norm_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.mlp = MLP(cfg, mp, tp_group)
+        self.dropout = nn.Dropout(cfg.dropout)
+        if cfg.skip_gains:
+            self.skip_gain_attn = nn.Parameter(torch.ones(()))
+            self.skip_gain_mlp = nn.Parameter(torch.ones(()))
+        else:
+            self.skip_gain_attn = self.skip_gain_mlp = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
+        h = skip + self.dropout(self.attn(self.norm_attn(x), self.rope))
+        skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
+        return skip + self.dropout(self.mlp(self.norm_mlp(h)))

@@ -1,0 +1,39 @@
+"""Each megatron-core workaround in parallel/megatron_compat.py still matches the library."""
+
+import warnings
+
+import torch
+
+from parallel import groups
+
+
+def test_default_tp_group_lookup_still_warns_in_megatron():
+    """If megatron stops warning (or stops passing tp_group=None), drop the patch."""
+    import inspect
+
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers
+
+    groups.ensure_initialized()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        utils.get_tensor_model_parallel_group_if_none(None)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    assert "tp_group=None" in inspect.getsource(layers.RowParallelLinear.forward)
+
+
+def test_patched_row_parallel_linear_is_silent_and_correct():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    from pretrain.model.denseformer import megatron_config
+
+    groups.ensure_initialized()
+    layer = RowParallelLinear(8, 4, config=megatron_config(1), init_method=torch.nn.init.ones_,
+                              bias=False, input_is_parallel=True, skip_bias_add=False,
+                              tp_group=groups.tp_group())
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = layer(x)
+    torch.testing.assert_close(out, x @ layer.weight.T)
