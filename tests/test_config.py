@@ -1,0 +1,307 @@
+"""pretrain.config: loading, overrides, type checks, cross-field validation, shipped configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain.config import (
+    Config,
+    ConfigError,
+    ModelSection,
+    config_to_dict,
+    flat_params,
+    load_config,
+    save_config,
+    validate,
+)
+from pretrain.model.config import DenseFormerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def write(path: Path, data: dict | str) -> Path:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.model.vocab_size is None
+    validate(cfg, world_size=1)
+
+
+def test_model_section_mirrors_denseformer_config():
+    model_fields = {f.name: f.default for f in dataclasses.fields(DenseFormerConfig)}
+    section_fields = {f.name: f.default for f in dataclasses.fields(ModelSection)}
+    assert section_fields.pop("vocab_size") is None
+    model_fields.pop("vocab_size")
+    assert section_fields == model_fields
+
+
+def test_build_config_fills_vocab_size():
+    section = load_config(None, ["model.n_layers=3"]).model
+    with pytest.raises(ConfigError) as err:
+        section.build_config()
+    assert err.value.key == "model.vocab_size"
+    model = section.build_config(vocab_size=300)
+    assert isinstance(model, DenseFormerConfig)
+    assert (model.n_layers, model.vocab_size, model.padded_vocab_size) == (3, 300, 384)
+    # An explicit vocab_size in the config is used when none is passed.
+    assert load_config(None, ["model.vocab_size=77"]).model.build_config().vocab_size == 77
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = write(tmp_path / "c.yaml", "model:\n  n_layers: 3\n  d_model: 32\n"
+                                      "optim:\n  lr: 1e-3\n  min_lr: 0\ntrain:\n  steps: 50\n")
+    cfg = load_config(path, ["train.steps=10", "model.dwa=false", "optim.warmup_steps=null",
+                             "run.dir=/x/y", "optim.eps=1e-9"])
+    assert cfg.model.n_layers == 3 and cfg.model.d_model == 32
+    assert cfg.train.steps == 10 and cfg.model.dwa is False
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # "1e-3" is a float here
+    assert cfg.optim.min_lr == 0.0 and isinstance(cfg.optim.min_lr, float)  # int -> float
+    assert cfg.optim.eps == 1e-9
+    assert cfg.run.dir == "/x/y"
+    assert cfg.effective_warmup_steps() == 0  # 5% of 10 steps
+    assert load_config(None, ["train.steps=400"]).effective_warmup_steps() == 20
+    assert load_config(None, ["optim.warmup_steps=7"]).effective_warmup_steps() == 7
+
+
+def test_override_for_a_string_key_keeps_the_text():
+    cfg = load_config(None, ["run.name=2024", "data.path=null", "tracking.uri=http://h:5000"])
+    assert cfg.run.name == "2024" and cfg.data.path is None
+    assert cfg.tracking.uri == "http://h:5000"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.nlayers=3", "model.nlayers"),
+    ("modle.n_layers=3", "modle.n_layers"),
+    ("train=3", "train=3"),
+    ("train.steps", "train.steps"),
+])
+def test_unknown_override_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key and str(err.value).startswith(key)
+
+
+def test_unknown_yaml_key_and_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"^optim\.learning_rate: unknown key") as err:
+        load_config(write(tmp_path / "a.yaml", {"optim": {"learning_rate": 1.0}}))
+    assert err.value.key == "optim.learning_rate"
+    with pytest.raises(ConfigError, match=r"^optimizer: unknown key; did you mean 'optim'"):
+        load_config(write(tmp_path / "b.yaml", {"optimizer": {"lr": 1.0}}))
+    with pytest.raises(ConfigError, match=r"^train: expected a mapping"):
+        load_config(write(tmp_path / "c.yaml", {"train": 5}))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=ten", "train.steps"),
+    ("train.steps=1.5", "train.steps"),
+    ("train.steps=true", "train.steps"),      # a bool is not an int
+    ("train.steps=null", "train.steps"),      # null only for Optional keys
+    ("model.dwa=1", "model.dwa"),
+    ("model.dwa=yes please", "model.dwa"),
+    ("optim.lr=fast", "optim.lr"),
+    ("optim.lr=[1, 2]", "optim.lr"),
+    ("run.name=null", "run.name"),
+    ("train.dtype=fp16", "train.dtype"),
+    ("train.on_nan=ignore", "train.on_nan"),
+    ("train.device=tpu", "train.device"),
+    ("model.dwa_window=2.5", "model.dwa_window"),
+])
+def test_wrong_types(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert err.value.key == key
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.n_layers: expected int, got '4'"):
+        load_config(write(tmp_path / "a.yaml", "model:\n  n_layers: '4'\n"))
+
+
+def test_validate_checks_types_of_a_programmatic_config():
+    cfg = Config()
+    cfg.train.steps = "10"
+    with pytest.raises(ConfigError, match=r"^train\.steps: expected int"):
+        validate(cfg)
+
+
+# (overrides, world_size, key, message fragment); each case is one step off a valid config.
+INVALID = [
+    (["model.n_heads=6", "model.d_model=64"], None, "model.n_heads",
+     "6 heads do not divide d_model=64"),
+    (["model.seq_len=0"], None, "model.seq_len", ">= 1"),
+    (["model.dropout=1.0"], None, "model.dropout", "[0, 1)"),
+    (["model.skip_gains=true"], None, "model.skip_gains", "dwa=false"),
+    (["model.vocab_size=0"], None, "model.vocab_size", ">= 1"),
+    (["train.steps=0"], None, "train.steps", ">= 1"),
+    (["train.steps=10", "train.stop_at=11"], None, "train.stop_at", "[1, train.steps=10]"),
+    (["train.stop_at=0"], None, "train.stop_at", "[1, train.steps"),
+    (["train.batch_size=0"], None, "train.batch_size", ">= 1"),
+    (["train.log_every=0"], None, "train.log_every", ">= 1"),
+    (["train.eval_every=-1"], None, "train.eval_every", ">= 0"),
+    (["data.val_batches=0"], None, "data.val_batches", ">= 1"),
+    (["data.num_workers=-1"], None, "data.num_workers", ">= 0"),
+    (["checkpoint.every=-1"], None, "checkpoint.every", ">= 0"),
+    (["checkpoint.keep=-1"], None, "checkpoint.keep", ">= 0"),
+    (["optim.lr=0"], None, "optim.lr", "> 0"),
+    (["optim.lr=1e-3", "optim.min_lr=2e-3"], None, "optim.min_lr", "[0, optim.lr=0.001]"),
+    (["train.steps=10", "optim.warmup_steps=10"], None, "optim.warmup_steps", "[0, train.steps"),
+    (["optim.beta2=1.0"], None, "optim.beta2", "[0, 1)"),
+    (["optim.eps=0"], None, "optim.eps", "> 0"),
+    (["optim.grad_clip=-1"], None, "optim.grad_clip", ">= 0"),
+    (["optim.weight_decay=-0.1"], None, "optim.weight_decay", ">= 0"),
+    (["parallel.tp=0"], None, "parallel.tp", ">= 1"),
+    (["parallel.microbatches=0"], None, "parallel.microbatches", ">= 1"),
+    (["train.batch_size=10", "parallel.microbatches=4"], None, "train.batch_size",
+     "4 micro-batches"),
+    (["model.n_heads=4", "parallel.tp=8"], None, "parallel.tp", "model.n_heads=4"),
+    (["model.vocab_size=302", "model.vocab_pad_multiple=1", "parallel.tp=4"], None,
+     "parallel.tp", "padded vocabulary 302"),
+    (["model.vocab_pad_multiple=2", "parallel.tp=4"], None, "parallel.tp",
+     "vocab_pad_multiple=2"),
+    (["model.n_layers=2", "parallel.pp=3"], None, "parallel.pp", "n_layers >= pp"),
+    (["parallel.zero_stage=4"], None, "parallel.zero_stage", "0, 1, 2 or 3"),
+    (["parallel.zero_stage=2", "parallel.tp=2"], None, "parallel.zero_stage",
+     "only support ZeRO-1 with model parallelism"),
+    (["parallel.zero_stage=3", "parallel.pp=2"], None, "parallel.zero_stage",
+     "fire once per micro-batch"),
+    (["parallel.sequence_parallel=true"], None, "parallel.sequence_parallel", "tp > 1"),
+    (["parallel.sequence_parallel=true", "parallel.tp=4", "model.seq_len=130"], None,
+     "parallel.sequence_parallel", "seq_len=130"),
+    (["parallel.tp=2", "parallel.pp=2"], 6, "parallel.tp", "does not divide world size 6"),
+    (["train.batch_size=12", "parallel.microbatches=2"], 4, "train.batch_size",
+     "dp=4 ranks x 2 micro-batches; use a multiple of 8"),
+    (["train.batch_size=12", "parallel.tp=2"], 16, "train.batch_size", "dp=8"),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, key, fragment", INVALID)
+def test_invalid_values(overrides, world_size, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, world_size=world_size)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ")
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, world_size", [
+    (["train.steps=10", "train.stop_at=10", "optim.warmup_steps=9"], None),
+    (["optim.min_lr=1e-3", "optim.lr=1e-3", "optim.grad_clip=0"], None),
+    (["parallel.tp=4", "model.n_heads=4", "parallel.sequence_parallel=true"], 8),
+    (["parallel.zero_stage=1", "parallel.tp=2", "parallel.pp=2"], 4),
+    (["parallel.zero_stage=3"], 8),
+    (["train.batch_size=16", "parallel.microbatches=2"], 8),
+    (["train.batch_size=12", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=3"], 16),
+    (["model.n_layers=2", "parallel.pp=2"], 2),
+    (["model.vocab_size=300", "parallel.tp=4"], 4),  # padded to 384
+])
+def test_valid_boundaries(overrides, world_size):
+    load_config(None, overrides, world_size=world_size)
+
+
+def test_world_checks_are_skipped_without_world_size():
+    load_config(None, ["train.batch_size=12", "parallel.microbatches=2"])
+    with pytest.raises(ConfigError):
+        load_config(None, ["train.batch_size=12", "parallel.microbatches=2"], world_size=4)
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, ["model.n_layers=5", "optim.lr=3e-3", "optim.eps=1e-12",
+                             "train.resume=auto", "model.dwa_window=2", "run.name=2024"])
+    path = tmp_path / "resolved.yaml"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert yaml.safe_load(yaml.safe_dump(config_to_dict(cfg))) == config_to_dict(cfg)
+    assert config_to_dict(cfg)["model"]["n_layers"] == 5
+
+
+def test_flat_params_leave_out_run_control_keys():
+    cfg = load_config(None, ["train.resume=auto", "train.stop_at=5", "run.dir=/r"])
+    params = flat_params(cfg)
+    assert params["model.n_layers"] == 4 and params["optim.lr"] == 1e-3
+    assert params["train.steps"] == 100 and params["parallel.tp"] == 1
+    for key in params:
+        assert not key.startswith(("tracking.", "checkpoint."))
+    for key in ("train.resume", "train.stop_at", "run.dir"):
+        assert key not in params
+    # What a resume may change does not change the params.
+    resumed = load_config(None, ["train.stop_at=50", "checkpoint.every=7", "tracking.uri=x://"])
+    assert flat_params(resumed) == flat_params(load_config(None))
+
+
+def test_base_file_is_merged(tmp_path):
+    write(tmp_path / "base.yaml", {"model": {"n_layers": 3, "d_model": 32}, "train": {"seed": 4}})
+    (tmp_path / "sub").mkdir()
+    child = write(tmp_path / "sub" / "child.yaml", "base: ../base.yaml\nmodel:\n  n_layers: 5\n")
+    cfg = load_config(child)
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.train.seed) == (5, 32, 4)
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_layout_tag():
+    assert load_config(None, ["parallel.tp=2", "parallel.pp=2"]).layout_tag(8) == "tp2-pp2-dp2"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    model = cfg.model.build_config(cfg.model.vocab_size or 1000)
+    assert model.n_layers >= 1
+
+
+def test_shipped_configs_exist():
+    names = {str(p.relative_to(REPO / "configs")) for p in CONFIGS}
+    assert {"tiny.yaml", "paper/dense-48-1x1.yaml", "paper/dense-48-4x1.yaml",
+            "paper/dense-48-4x5.yaml", "paper/transformer-48.yaml", "paper/transformer-72.yaml",
+            "paper/transformer-90.yaml", "baselines/connect-to-last.yaml",
+            "baselines/last-k.yaml", "baselines/skip-gains.yaml"} <= names
+
+
+@pytest.mark.parametrize("name, millions", [
+    ("transformer-48", 378.45), ("transformer-72", 548.35), ("transformer-90", 675.78)])
+def test_paper_transformer_sizes(name, millions):
+    cfg = load_config(REPO / "configs" / "paper" / f"{name}.yaml")
+    assert cfg.model.vocab_size == 50304 and cfg.train.batch_size == 400
+    assert cfg.effective_warmup_steps() == 2000  # 5% of 40k
+    n = cfg.model.build_config().num_params()
+    assert abs(n / 1e6 - millions) / millions < 1e-3
+
+
+@pytest.mark.parametrize("name, k, p, extra", [
+    ("dense-48-1x1", 1, 1, 48 * 51 // 2), ("dense-48-4x5", 4, 5, 62)])
+def test_paper_denseformer_shapes(name, k, p, extra):
+    dense = load_config(REPO / "configs" / "paper" / f"{name}.yaml").model.build_config()
+    plain = load_config(REPO / "configs" / "paper" / "transformer-48.yaml").model.build_config()
+    assert (dense.dwa, dense.dwa_dilation, dense.dwa_period) == (True, k, p)
+    assert dense.num_params() - plain.num_params() == extra
+
+
+def test_tiny_config():
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size) == (6, 128, 4, 128, None)
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.data.path) == (300, 16, "data/demo")
+    assert (cfg.checkpoint.every, cfg.checkpoint.keep) == (100, 2)
+
+
+def test_baselines():
+    base = REPO / "configs" / "baselines"
+    last = load_config(base / "connect-to-last.yaml").model
+    assert last.dwa and last.dwa_period == last.n_layers and last.dwa_init_offdiag == 1e-4
+    assert load_config(base / "last-k.yaml").model.dwa_window == 4
+    gains = load_config(base / "skip-gains.yaml").model
+    assert gains.skip_gains and not gains.dwa
