@@ -18,7 +18,8 @@ import torch.distributed as dist
 def default_device() -> torch.device:
     """The device this process computes on: its local CUDA device if any, else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 

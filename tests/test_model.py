@@ -102,7 +102,7 @@ def test_efficient_dwa_equals_naive_sum():
     ref = sum(w[n] * xs[n] for n in range(5))
     want = torch.autograd.grad(ref, [w, *xs], g)
     torch.testing.assert_close(out, ref)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -115,9 +115,11 @@ def test_activation_checkpointing_gives_same_gradients():
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    blocks = list(model.blocks)
-    for block in blocks:  # checkpoint every block's internals
-        block.forward = (lambda f: lambda y: checkpoint(f, y, use_reentrant=False))(block.forward)
+    def checkpointed(forward):
+        return lambda y: checkpoint(forward, y, use_reentrant=False)
+
+    for block in model.blocks:  # recompute every block's internals in backward
+        block.forward = checkpointed(block.forward)
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)

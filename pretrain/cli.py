@@ -1,0 +1,106 @@
+"""`python -m pretrain {train,config,eval}`: the command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2  # bad config, data or checkpoint: nothing was trained
+
+
+def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--config", required=required, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _config_args(sub.add_parser("train", help="train a model (torchrun-compatible)"))
+    _config_args(sub.add_parser("config", help="print the resolved config and parameter count"))
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on the validation split")
+    where = ev.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run directory (its latest checkpoint is evaluated)")
+    where.add_argument("--checkpoint", help="a checkpoint directory")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def cmd_train(args) -> int:
+    from pretrain.config import load_config
+    from pretrain.train import distributed_session, run_training
+
+    cfg = load_config(args.config, args.overrides,
+                      world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    with distributed_session():
+        return run_training(cfg)
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    from pretrain.config import config_to_dict, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    vocab = cfg.model.vocab_size
+    if vocab is None and cfg.data.path and (Path(cfg.data.path) / "index.json").exists():
+        from data_pipeline.index import read_index
+
+        vocab = read_index(cfg.data.path, check_files=False).vocab_size
+    if vocab is None:
+        print("# parameters: unknown until model.vocab_size is set or data.path is prepared")
+        return 0
+    model = cfg.model.build_config(vocab)
+    print(f"# parameters: {model.num_params():,} ({model.num_params(non_embedding=True):,} "
+          f"non-embedding); training FLOPs per token: {model.flops_per_token():.4g}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from parallel import groups
+    from pretrain import checkpoint
+    from pretrain.config import ConfigError, load_config
+    from pretrain.evaluate import evaluate
+    from pretrain.model import DenseFormer
+    from pretrain.model.state import load_full_model_state
+    from pretrain.train import compute_dtype, distributed_session
+
+    if args.run:
+        path = checkpoint.latest_checkpoint(Path(args.run) / "checkpoints")
+        if path is None:
+            raise ConfigError("--run", f"no complete checkpoint under {args.run}/checkpoints")
+    else:
+        path = Path(args.checkpoint)
+    run_dir = path.parent.parent
+    cfg = load_config(run_dir / "config.yaml", args.overrides)
+    state = checkpoint.load_checkpoint(path)
+    with distributed_session():
+        groups.ensure_initialized()
+        model = DenseFormer(cfg.model.build_config(cfg.model.vocab_size))
+        load_full_model_state(model, state["model"])
+        device = groups.default_device()
+        model.to(device)
+        result = evaluate(model, cfg.data.path, cfg.train.batch_size, dp_rank=0, dp_size=1,
+                          dp_group=None, max_batches=cfg.data.val_batches, device=device,
+                          dtype=compute_dtype(cfg, device))
+    print(f"checkpoint {path} (step {state['meta']['step']}): val_loss "
+          f"{result['val_loss']:.4f} val_ppl {result['val_ppl']:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data_pipeline import DataError
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval}[args.command]
+    try:
+        return command(args)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE

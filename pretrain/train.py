@@ -1,0 +1,395 @@
+"""The training loop: data -> model -> AdamW, with validation, checkpoints and tracking.
+
+One code path for every launch: a plain `python -m pretrain train` is a 1-rank world; under
+torchrun or Slurm the ranks form a TP x DP grid (megatron-core order, TP fastest). Data is
+read by sample (DESIGN.md section 7), so the global batch of a step is the same whatever the
+number of data-parallel ranks, and a resumed run sees exactly the samples it would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from parallel import groups
+from pretrain.config import Config, ConfigError, save_config
+from pretrain.evaluate import autocast_for, evaluate
+from pretrain.signals import EXIT_PREEMPTED, StopRequest
+
+EXIT_NONFINITE = 3  # the loss (or gradient norm) became NaN/inf and train.on_nan=stop
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training produced a NaN/inf loss or gradient norm."""
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the rank grid."""
+
+    world: int
+    rank: int
+    tp: int
+    dp: int
+    dp_rank: int
+    dp_group: object
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}-pp1-dp{self.dp}"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_layout(cfg: Config) -> Layout:
+    """Initialise process groups for the configured layout (world size from the launcher)."""
+    from megatron.core import parallel_state
+
+    if cfg.parallel.pp > 1:
+        raise ConfigError("parallel.pp", "pipeline parallelism is not available yet; use pp=1")
+    if cfg.parallel.zero_stage:
+        raise ConfigError("parallel.zero_stage", "ZeRO is not available yet; use zero_stage=0")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "not available yet; use false")
+    device = groups.default_device()
+    if cfg.train.device == "cpu":
+        device = torch.device("cpu")
+    elif cfg.train.device == "cuda" and device.type != "cuda":
+        raise ConfigError("train.device", "cuda requested but no CUDA device is available")
+    groups.ensure_initialized(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=cfg.parallel.tp,
+                  dp=parallel_state.get_data_parallel_world_size(),
+                  dp_rank=parallel_state.get_data_parallel_rank(),
+                  dp_group=parallel_state.get_data_parallel_group(), device=device)
+
+
+def resolve_run_dir(cfg: Config, layout: Layout) -> Path:
+    """run.dir, or runs/<name>-<timestamp> chosen by rank 0 and shared with every rank."""
+    if cfg.run.dir is not None:
+        return Path(cfg.run.dir).absolute()
+    name = [f"runs/{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"]
+    if layout.world > 1:
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0]).absolute()
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """Dropout RNG seed of one step on one data-parallel rank (TP peers share it, as their
+    residual streams must match); re-derived every step, so resuming needs no RNG state."""
+    digest = hashlib.sha256(f"{seed}:{step}:{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def gradient_norm(model, layout: Layout) -> torch.Tensor:
+    """Global L2 norm of the gradients: TP-sharded tensors summed over the TP group,
+    replicated ones counted once."""
+    sharded = torch.zeros((), dtype=torch.float64, device=layout.device)
+    replicated = torch.zeros((), dtype=torch.float64, device=layout.device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().square().sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if layout.tp > 1:
+        dist.all_reduce(sharded, group=model.tp_group)
+    return (sharded + replicated).sqrt()
+
+
+def average_gradients(model, layout: Layout) -> None:
+    """Mean of the gradients over the data-parallel group (one flat bucket)."""
+    if layout.dp == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=layout.dp_group)
+    flat /= layout.dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class Trainer:
+    """Owns the model, optimizer, data loader and run directory of one training run."""
+
+    def __init__(self, cfg: Config):
+        from data_pipeline.loader import TrainLoader
+
+        from data_pipeline.index import read_index
+        from pretrain import checkpoint
+        from pretrain.model import DenseFormer
+        from pretrain.optim import build_optimizer
+
+        self.cfg = cfg
+        self.layout = layout = setup_layout(cfg)
+        if cfg.data.path is None:
+            raise ConfigError("data.path", "is required: a directory written by "
+                              "`python -m data_pipeline prepare`")
+        self.index = read_index(cfg.data.path)
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size != self.index.vocab_size:
+            raise ConfigError("model.vocab_size",
+                              f"{cfg.model.vocab_size} differs from the tokenizer's vocabulary "
+                              f"of {self.index.vocab_size} in {cfg.data.path}/index.json")
+        if self.index.seq_len < cfg.model.seq_len:
+            raise ConfigError("model.seq_len", f"{cfg.model.seq_len} exceeds the data's "
+                              f"sequence length {self.index.seq_len} ({cfg.data.path})")
+        cfg.model.vocab_size = self.index.vocab_size
+        self.model_cfg = cfg.model.build_config(self.index.vocab_size)
+        self.run_dir = resolve_run_dir(cfg, layout)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resume_from = self._checkpoint_to_resume(checkpoint)
+
+        self.dtype = compute_dtype(cfg, layout.device)
+        self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed).to(layout.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.local_batch = cfg.train.batch_size // layout.dp
+        self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
+                                  dp_rank=layout.dp_rank, dp_size=layout.dp, seed=cfg.train.seed,
+                                  num_workers=cfg.data.num_workers)
+        self.step = 0
+        self.mlflow_run_id = None
+        if self.resume_from is not None:
+            self._load(checkpoint.load_checkpoint(self.resume_from))
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _checkpoint_to_resume(self, checkpoint) -> Path | None:
+        resume = self.cfg.train.resume
+        if resume is None:
+            if checkpoint.latest_checkpoint(self.ckpt_dir) is not None:
+                raise ConfigError("train.resume", f"run.dir {self.run_dir} already holds "
+                                  "checkpoints: set train.resume=auto to continue that run, "
+                                  "or choose another run.dir")
+            return None
+        if resume == "auto":
+            return checkpoint.latest_checkpoint(self.ckpt_dir)
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError("train.resume", f"checkpoint {path} does not exist")
+        return path
+
+    def _load(self, state: dict) -> None:
+        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
+
+        meta = state["meta"]
+        load_full_model_state(self.model, state["model"])
+        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.loader.load_state_dict(meta["loader"])
+        self.step = meta["step"]
+        self.mlflow_run_id = meta.get("mlflow_run_id")
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (collective: TP shards are gathered)."""
+        from pretrain import checkpoint
+        from pretrain.model.state import full_model_state, full_optimizer_state
+
+        model_state = full_model_state(self.model)
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        path = None
+        if self.layout.is_main:
+            meta = {"step": self.step, "loader": self.loader.state_dict(),
+                    "mlflow_run_id": self.mlflow_run_id, "layout": self.layout.name,
+                    "config": self.cfg.run.name}
+            path = checkpoint.save_checkpoint(
+                self.ckpt_dir, self.step,
+                {"model": model_state, "optimizer": optimizer_state, "meta": meta},
+                keep=self.cfg.checkpoint.keep)
+        if self.layout.world > 1:
+            dist.barrier()
+        return path
+
+    # -- one optimizer step --------------------------------------------------------------
+
+    def lr(self, step: int) -> float:
+        from pretrain.optim import lr_at
+
+        o = self.cfg.optim
+        warmup = o.warmup_steps
+        if warmup is None:
+            warmup = round(0.05 * self.cfg.train.steps)
+        return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=warmup, total=self.cfg.train.steps)
+
+    def train_step(self, batch: torch.Tensor) -> dict:
+        """Forward/backward over the micro-batches, reduce, clip, update; returns metrics."""
+        cfg, layout = self.cfg, self.layout
+        step = self.step + 1
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(step_seed(cfg.train.seed, step, layout.dp_rank))
+        seq = self.model_cfg.seq_len
+        loss_sum = torch.zeros((), dtype=torch.float64, device=layout.device)
+        micro = cfg.parallel.microbatches
+        for part in batch.to(layout.device).chunk(micro):
+            with autocast_for(layout.device, self.dtype):
+                loss = self.model.loss(part[:, :seq], part[:, 1: seq + 1])
+            (loss / micro).backward()
+            loss_sum += loss.detach().double()
+        average_gradients(self.model, layout)
+        if layout.dp > 1:
+            dist.all_reduce(loss_sum, group=layout.dp_group)
+        loss = (loss_sum / (micro * layout.dp)).item()
+        grad_norm = gradient_norm(self.model, layout).item()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(
+                    self.model.parameters(), cfg.optim.grad_clip,
+                    torch.tensor(grad_norm, device=layout.device))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite and cfg.train.on_nan == "stop":
+            raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm}")
+        self.step = step
+        record = {"step": step, "loss": loss if finite else None, "lr": lr,
+                  "grad_norm": grad_norm if finite else None}
+        if not finite:
+            record["skipped"] = True
+        return record
+
+
+def _print_main(layout: Layout, *lines: str) -> None:
+    if layout.is_main:
+        for line in lines:
+            tqdm.write(line, file=sys.stderr)
+
+
+def run_training(cfg: Config) -> int:
+    """Train as configured; returns the process exit status (0, or EXIT_* codes)."""
+    from pretrain.mfu import measure_matmul_flops
+    from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
+
+    trainer = Trainer(cfg)
+    layout, run_dir = trainer.layout, trainer.run_dir
+    main = layout.is_main
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    resumed_at = trainer.step if trainer.resume_from is not None else None
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=resumed_at) if main else None
+    tracker = Tracker(cfg, run_dir, trainer.mlflow_run_id, enabled=main)
+    trainer.mlflow_run_id = tracker.run_id
+    tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at)})
+    if main:
+        tracker.log_artifact(run_dir / "config.yaml")
+
+    mc = trainer.model_cfg
+    peak = measure_matmul_flops(layout.device, trainer.dtype)
+    flops_per_token = mc.flops_per_token()
+    tokens_per_step = cfg.train.batch_size * mc.seq_len
+    stop_at = cfg.train.stop_at or cfg.train.steps
+    _print_main(layout, (
+        f"run dir: {run_dir}\nmodel: {mc.n_layers} blocks x {mc.d_model}, "
+        f"{f'DenseFormer {mc.dwa_dilation}x{mc.dwa_period}' if mc.dwa else 'Transformer'}"
+        f", {trainer.model.num_params() / 1e6:.2f}M parameters; layout {layout.name}; "
+        f"device {layout.device}, {trainer.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s"
+        + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
+           if trainer.resume_from else "")))
+
+    status, finish = 0, "FINISHED"
+    progress = tqdm(total=stop_at, initial=trainer.step, disable=not main, desc="train",
+                    unit="step", file=sys.stderr, dynamic_ncols=True)
+    data = iter(trainer.loader)
+    try:
+        with StopRequest() as stop:
+            while trainer.step < stop_at:
+                start = time.perf_counter()
+                record = trainer.train_step(next(data))
+                elapsed = time.perf_counter() - start
+                record["tokens_per_s"] = tokens_per_step / elapsed
+                record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * layout.world)
+                step = record["step"]
+                if main:
+                    metrics.log(record)
+                    tracker.log_metrics({k: v for k, v in record.items()
+                                         if k != "step" and isinstance(v, float)}, step)
+                    progress.update(1)
+                    progress.set_postfix(loss=record["loss"], lr=f"{record['lr']:.2e}")
+                if step % cfg.train.log_every == 0 or step == stop_at:
+                    _print_main(layout, (
+                        f"step {step}/{cfg.train.steps} loss {record['loss']} lr "
+                        f"{record['lr']:.3e} grad_norm {record['grad_norm']} "
+                        f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"))
+                if (cfg.train.eval_every and step % cfg.train.eval_every == 0) \
+                        or step == cfg.train.steps:
+                    _validate(trainer, metrics, tracker)
+                if stop.agreed(layout.device):
+                    path = trainer.save()
+                    _print_main(layout, f"stopped on request after step {step}; "
+                                f"checkpoint {path}; exit status {EXIT_PREEMPTED}")
+                    status, finish = EXIT_PREEMPTED, "KILLED"
+                    break
+                every = cfg.checkpoint.every
+                if (every and step % every == 0) or step == stop_at:
+                    path = trainer.save()
+                    _print_main(layout, f"checkpoint: {path}")
+    except NonFiniteLoss as err:
+        last = _latest(trainer)
+        _print_main(layout, f"error: non-finite training loss at {err}; nothing was saved for "
+                    f"this step; last good checkpoint: {last} (set train.on_nan=skip to skip "
+                    "such steps)")
+        status, finish = EXIT_NONFINITE, "FAILED"
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        progress.close()
+    if main:
+        plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
+        tracker.log_artifact(run_dir / "loss_curve.png")
+    tracker.finish(finish)
+    if status == 0:
+        _print_main(layout, f"done: step {trainer.step}; run dir {run_dir}; checkpoints "
+                    f"{trainer.ckpt_dir}; MLflow run {tracker.run_id} in "
+                    f"{cfg.tracking.uri or 'sqlite:///' + str(run_dir / 'mlflow.db')}")
+    return status
+
+
+def _latest(trainer: Trainer):
+    from pretrain import checkpoint
+
+    return checkpoint.latest_checkpoint(trainer.ckpt_dir)
+
+
+def _validate(trainer: Trainer, metrics, tracker) -> None:
+    cfg, layout = trainer.cfg, trainer.layout
+    result = evaluate(trainer.model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
+                      dp_size=layout.dp, dp_group=layout.dp_group,
+                      max_batches=cfg.data.val_batches, device=layout.device,
+                      dtype=trainer.dtype)
+    if layout.is_main:
+        metrics.log({"step": trainer.step, **result})
+        tracker.log_metrics(result, trainer.step)
+        tqdm.write(f"step {trainer.step} validation: loss {result['val_loss']:.4f} "
+                   f"ppl {result['val_ppl']:.2f}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def distributed_session():
+    """Tear the process groups down however training ends."""
+    try:
+        yield
+    finally:
+        groups.destroy()
