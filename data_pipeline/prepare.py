@@ -1,0 +1,331 @@
+"""`prepare`: raw text -> tokenizer -> packed sequences -> webdataset shards + index.json.
+
+Phases (each with a progress bar on stderr):
+  scan       read every input once: count documents and bytes, reject empty files;
+  tokenizer  train sentencepiece on (a deterministic stride sample of) the documents,
+             or copy the given model;
+  tokenize   encode documents on `workers` processes (ordered, so the output does not
+             depend on the number of workers), append EOS to each document, route it to
+             the train or val split (split by document, from the seed) and pack each
+             split's token stream into samples of seq_len + 1 tokens written to shards.
+Everything is written to a hidden sibling directory that is renamed to DIR at the end,
+index.json last, so a failed or interrupted run leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data_pipeline import DataError
+from data_pipeline.index import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    DatasetIndex,
+    read_index,
+    sha256_file,
+    token_dtype_for,
+    write_index,
+)
+from data_pipeline.shards import SequencePacker, ShardWriter, record_bytes
+from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
+from data_pipeline.sources import expand_inputs, iter_documents, read_documents
+from data_pipeline.tokenizer import TOKENIZER_FILE, load_tokenizer, train_tokenizer
+
+DEFAULT_VOCAB_SIZE = 8192
+DEFAULT_SEQ_LEN = 1024
+DEFAULT_VAL_FRACTION = 0.01
+DEFAULT_SHARD_MB = 256.0
+DEFAULT_TOKENIZER_TRAIN_MB = 64.0
+CHUNK_BYTES = 1 << 20  # text per tokenisation task
+
+
+def _bar(progress: bool, **kwargs) -> tqdm:
+    return tqdm(file=sys.stderr, disable=not progress, dynamic_ncols=True, **kwargs)
+
+
+def _note(message: str) -> None:
+    tqdm.write(f"prepare: {message}", file=sys.stderr)
+
+
+def check_output_dir(out_dir: Path, force: bool) -> None:
+    """Refuse a non-empty DIR unless --force, and --force only over a prepared dataset."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise DataError(f"{out_dir}: exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return
+    if not force:
+        raise DataError(f"{out_dir}: exists and is not empty (pass --force to replace it)")
+    if not (out_dir / INDEX_FILE).is_file():
+        raise DataError(
+            f"{out_dir}: --force only replaces a prepared dataset, and this directory has no "
+            f"{INDEX_FILE}; remove it yourself if it is meant to go"
+        )
+
+
+def _scan(files: list[Path], progress: bool) -> tuple[int, int]:
+    """Count documents and UTF-8 bytes; a file with no document is an error."""
+    documents = total_bytes = 0
+    with _bar(progress, total=len(files), desc="scan", unit="file") as bar:
+        for path in files:
+            in_file = 0
+            for doc in read_documents(path):
+                in_file += 1
+                total_bytes += len(doc.encode("utf-8"))
+            if in_file == 0:
+                raise DataError(f"{path}: input holds no document (empty file?)")
+            documents += in_file
+            bar.update(1)
+    return documents, total_bytes
+
+
+def _training_lines(files: list[Path], stride: int) -> Iterator[str]:
+    """Non-empty lines of every stride-th document (sentencepiece trains on lines)."""
+    for number, doc in enumerate(iter_documents(files)):
+        if number % stride == 0:
+            yield from (line for line in doc.split("\n") if line.strip())
+
+
+# --- tokenisation workers -------------------------------------------------------------
+
+_worker_state: dict = {}
+
+
+def _init_worker(model_path: str, dtype: str) -> None:
+    _worker_state["processor"] = load_tokenizer(model_path)
+    _worker_state["dtype"] = dtype
+
+
+def _encode_chunk(chunk: tuple[int, list[str]]) -> tuple[int, np.ndarray, np.ndarray, int]:
+    """Encode documents: (first doc number, tokens with EOS after each doc, lengths, bytes)."""
+    first, texts = chunk
+    processor = _worker_state["processor"]
+    eos = processor.eos_id()
+    pieces = processor.encode(texts, num_threads=1)
+    lengths = np.fromiter((len(ids) + 1 for ids in pieces), dtype=np.int64, count=len(pieces))
+    flat = np.empty(int(lengths.sum()), dtype=_worker_state["dtype"])
+    position = 0
+    for ids in pieces:
+        flat[position : position + len(ids)] = ids
+        position += len(ids)
+        flat[position] = eos
+        position += 1
+    return first, flat, lengths, sum(len(text.encode("utf-8")) for text in texts)
+
+
+def _chunks(files: list[Path]) -> Iterator[tuple[int, list[str]]]:
+    first, texts, size = 0, [], 0
+    for number, doc in enumerate(iter_documents(files)):
+        texts.append(doc)
+        size += len(doc)
+        if size >= CHUNK_BYTES:
+            yield first, texts
+            first, texts, size = number + 1, [], 0
+    if texts:
+        yield first, texts
+
+
+def _encoded_chunks(files, model_path, dtype, workers):
+    if workers == 1:
+        _init_worker(str(model_path), dtype)
+        yield from map(_encode_chunk, _chunks(files))
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(str(model_path), dtype)) as pool:
+        yield from pool.imap(_encode_chunk, _chunks(files))
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def prepare_dataset(
+    inputs: list[str],
+    out_dir: str | Path,
+    *,
+    vocab_size: int | None = None,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    tokenizer: str | Path | None = None,
+    workers: int | None = None,
+    seed: int = 0,
+    shard_mb: float = DEFAULT_SHARD_MB,
+    tokenizer_train_mb: float = DEFAULT_TOKENIZER_TRAIN_MB,
+    force: bool = False,
+    progress: bool = True,
+) -> DatasetIndex:
+    """Build a dataset directory from raw text; returns its (checked) index."""
+    out_dir = Path(out_dir).absolute()
+    workers = workers or os.cpu_count() or 1
+    if seq_len < 1:
+        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if workers < 1 or seed < 0 or shard_mb <= 0 or tokenizer_train_mb <= 0:
+        raise DataError(
+            f"bad option: workers={workers} seed={seed} shard_mb={shard_mb} "
+            f"tokenizer_train_mb={tokenizer_train_mb} (need workers >= 1, seed >= 0, sizes > 0)"
+        )
+    if tokenizer is not None and vocab_size is not None:
+        raise DataError("give either --tokenizer or --vocab-size (the tokenizer fixes the vocab)")
+    check_output_dir(out_dir, force)
+    files = expand_inputs(inputs)
+
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+    try:
+        raw_index = _build(
+            files,
+            tmp_dir,
+            vocab_size or DEFAULT_VOCAB_SIZE,
+            seq_len,
+            val_fraction,
+            tokenizer,
+            workers,
+            seed,
+            shard_mb,
+            tokenizer_train_mb,
+            progress,
+        )
+        write_index(raw_index, tmp_dir)
+        _move_into_place(tmp_dir, out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return read_index(out_dir)
+
+
+def _move_into_place(tmp_dir: Path, out_dir: Path) -> None:
+    if out_dir.exists() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    if out_dir.exists():  # a previous dataset, replaced under --force
+        old_dir = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old_dir)
+        os.replace(tmp_dir, out_dir)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, out_dir)
+
+
+def _build(
+    files,
+    tmp_dir,
+    vocab_size,
+    seq_len,
+    val_fraction,
+    tokenizer,
+    workers,
+    seed,
+    shard_mb,
+    tokenizer_train_mb,
+    progress,
+) -> dict:
+    num_docs, total_bytes = _scan(files, progress)
+
+    model_path = tmp_dir / TOKENIZER_FILE
+    stride = None
+    if tokenizer is not None:
+        load_tokenizer(tokenizer)  # fails early, naming the file, if it is not a model
+        shutil.copyfile(tokenizer, model_path)
+    else:
+        stride = max(1, math.ceil(total_bytes / (tokenizer_train_mb * 1e6)))
+        with _bar(progress, total=1, desc="tokenizer", unit="model") as bar:
+            trained = train_tokenizer(
+                _training_lines(files, stride), tmp_dir / "tokenizer", vocab_size, workers, seed
+            )
+            bar.update(1)
+        assert trained == model_path
+    processor = load_tokenizer(model_path)
+    actual_vocab = processor.get_piece_size()
+    eos_id = processor.eos_id()
+    if eos_id < 0:
+        raise DataError(f"{tokenizer or model_path}: tokenizer has no end-of-sentence id")
+    if tokenizer is None and actual_vocab < vocab_size:
+        _note(f"the corpus supports only {actual_vocab} pieces (asked for {vocab_size})")
+    dtype = token_dtype_for(actual_vocab)
+
+    num_val = round(val_fraction * num_docs)
+    if val_fraction > 0:
+        if num_docs < 2:
+            raise DataError(f"{files[0]}: one document cannot be split; use --val-fraction 0")
+        num_val = min(max(num_val, 1), num_docs - 1)
+    is_val = np.zeros(num_docs, dtype=bool)
+    is_val[seeded_permutation(num_docs, seed, PURPOSE_VAL_SPLIT)[:num_val]] = True
+
+    sample_len = seq_len + 1
+    samples_per_shard = max(1, int(shard_mb * 1e6 // record_bytes(sample_len, dtype)))
+    packers = {
+        split: SequencePacker(sample_len, dtype, ShardWriter(tmp_dir, split, samples_per_shard))
+        for split in ("train", "val")
+    }
+    doc_tokens = 0
+    split_docs = {"train": 0, "val": 0}
+    with _bar(progress, total=total_bytes, desc="tokenize", unit="B", unit_scale=True) as bar:
+        for first, flat, lengths, text_bytes in _encoded_chunks(files, model_path, dtype, workers):
+            in_val = is_val[first : first + len(lengths)]
+            token_in_val = np.repeat(in_val, lengths)
+            packers["train"].add(flat[~token_in_val])
+            packers["val"].add(flat[token_in_val])
+            split_docs["val"] += int(in_val.sum())
+            split_docs["train"] += len(lengths) - int(in_val.sum())
+            doc_tokens += len(flat) - len(lengths)
+            bar.update(text_bytes)
+
+    splits = {}
+    for split, packer in packers.items():
+        shards = packer.close()
+        splits[split] = {
+            "shards": shards,
+            "samples": packer.writer.num_samples,
+            "documents": split_docs[split],
+            "tokens": packer.tokens_written,
+            "dropped_tokens": packer.tokens_dropped,
+        }
+    if splits["train"]["samples"] == 0:
+        raise DataError(
+            f"{files[0]}: the train split holds {packers['train'].tokens_dropped} tokens, "
+            f"fewer than one sample of seq_len + 1 = {sample_len}; add text or lower --seq-len"
+        )
+    if val_fraction > 0 and splits["val"]["samples"] == 0:
+        raise DataError(
+            f"{files[0]}: the val split holds {packers['val'].tokens_dropped} tokens, fewer "
+            f"than one sample of {sample_len}; raise --val-fraction or lower --seq-len"
+        )
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "seq_len": seq_len,
+        "sample_len": sample_len,
+        "vocab_size": actual_vocab,
+        "token_dtype": dtype,
+        "eos_id": eos_id,
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": sha256_file(model_path),
+            "trained": tokenizer is None,
+        },
+        "splits": splits,
+        "inputs": {
+            "files": [str(path.resolve()) for path in files],
+            "documents": num_docs,
+            "bytes": total_bytes,
+            "tokens": doc_tokens,
+        },
+        "options": {
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "samples_per_shard": samples_per_shard,
+            "tokenizer_train_stride": stride,
+        },
+    }
