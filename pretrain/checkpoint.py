@@ -1,0 +1,248 @@
+"""Atomic, self-verifying checkpoints.
+
+Layout of one checkpoint (`ckpt_root/step-00001000/`):
+
+    manifest.json    written last: {"format", "step", "created", "parts": {name: file},
+                     "files": {relative path: {"bytes", "sha256"}}}
+    meta.json        the part named "meta": JSON (step, scheduler, loader, MLflow run id, ...)
+    <part>.pt        every other part (model, optimizer, rng, ...): torch.save, read back with
+                     torch.load(weights_only=True)
+
+A checkpoint is written into `ckpt_root/.tmp-step-XXXXXXXX-<random>/`, every file fsynced,
+the manifest written last, then the directory is renamed to its final name: a reader sees
+either no checkpoint or a complete one. A directory without a readable manifest, or whose
+files disagree with it, is not a checkpoint. For sharded state, each rank may write its own
+parts into one shared temporary directory (`new_tmp_dir` + `write_parts`) and one rank
+commits it after a barrier (`finalize_checkpoint`); files in subdirectories (e.g. written
+by DeepSpeed) are covered by the manifest too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
+    """Final directory of the checkpoint taken after `step`."""
+    return Path(ckpt_root) / f"step-{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _part_file(name: str) -> str:
+    return "meta.json" if name == "meta" else f"{name}.pt"
+
+
+def new_tmp_dir(ckpt_root: Path, step: int) -> Path:
+    """A fresh temporary directory in `ckpt_root` to write the checkpoint of `step` into."""
+    ckpt_root = Path(ckpt_root)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=ckpt_root))
+
+
+def write_parts(directory: Path, state: dict[str, Any]) -> None:
+    """Write each part of `state` into `directory` ("meta" as JSON, others with torch.save)."""
+    directory = Path(directory)
+    for name, part in state.items():
+        if not _PART_NAME.match(name) or name == Path(MANIFEST).stem:
+            raise ValueError(f"invalid checkpoint part name {name!r}")
+        path = directory / _part_file(name)
+        if name == "meta":
+            try:
+                text = json.dumps(part, indent=1)
+            except (TypeError, ValueError) as err:
+                raise TypeError(f"checkpoint part 'meta' is not JSON-serialisable: {err}") from err
+            path.write_text(text)
+        else:
+            torch.save(part, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int) -> Path:
+    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune; the final path."""
+    tmp_dir, ckpt_root = Path(tmp_dir), Path(ckpt_root)
+    files, parts = {}, {}
+    for path in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(tmp_dir).as_posix()
+        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        if path.parent == tmp_dir and (path.suffix == ".pt" or rel == "meta.json"):
+            parts["meta" if rel == "meta.json" else path.stem] = rel
+    manifest = {"format": FORMAT_VERSION, "step": step,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "parts": parts, "files": files}
+    with open(tmp_dir / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for directory in sorted({p.parent for p in tmp_dir.rglob("*")} | {tmp_dir}):
+        _fsync_dir(directory)
+
+    final = checkpoint_dir(ckpt_root, step)
+    old = None
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+        old = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}-", dir=ckpt_root))
+        os.rename(final, old / final.name)
+    os.rename(tmp_dir, final)
+    _fsync_dir(ckpt_root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(ckpt_root, keep)
+    return final
+
+
+def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Atomically write `state` as ckpt_root/step-XXXXXXXX and keep the newest `keep` (0: all)."""
+    tmp_dir = new_tmp_dir(ckpt_root, step)
+    try:
+        write_parts(tmp_dir, state)
+        return finalize_checkpoint(tmp_dir, ckpt_root, step, keep)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def read_manifest(path: Path, verify_hashes: bool = False) -> dict[str, Any]:
+    """The manifest of checkpoint `path`, after checking that every file exists with its size
+    (and sha256 if `verify_hashes`); raises CheckpointError naming the offending file."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest_path}: missing (incomplete checkpoint)") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({err})") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+            and isinstance(manifest.get("parts"), dict)):
+        raise CheckpointError(f"{manifest_path}: not a checkpoint manifest")
+    for rel, info in manifest["files"].items():
+        file = path / rel
+        if not (isinstance(info, dict) and "bytes" in info and "sha256" in info):
+            raise CheckpointError(f"{manifest_path}: bad entry for {rel!r}")
+        try:
+            size = file.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{file}: listed in the manifest but missing") from None
+        if size != info["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']}")
+        if verify_hashes and _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupt)")
+    return manifest
+
+
+def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step-XXXXXXXX directories in `ckpt_root`, complete or not, by step."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for path in ckpt_root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _is_complete(path: Path, verify_hashes: bool) -> bool:
+    try:
+        read_manifest(path, verify_hashes)
+    except CheckpointError:
+        return False
+    return True
+
+
+def latest_checkpoint(ckpt_root: Path, verify_hashes: bool = False) -> Path | None:
+    """The newest complete checkpoint in `ckpt_root` (sizes checked; hashes if asked), or None."""
+    for _, path in reversed(list_checkpoints(ckpt_root)):
+        if _is_complete(path, verify_hashes):
+            return path
+    return None
+
+
+def prune_checkpoints(ckpt_root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (0: keep all) and stale temp dirs."""
+    ckpt_root = Path(ckpt_root)
+    for path in ckpt_root.iterdir():
+        # One writer per run directory: any temp dir still here was left by a killed save.
+        if path.is_dir() and path.name.startswith((".tmp-step-", ".trash-step-")):
+            shutil.rmtree(path, ignore_errors=True)
+    if keep <= 0:
+        return
+    complete = [path for _, path in list_checkpoints(ckpt_root) if _is_complete(path, False)]
+    for path in complete[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
+                    parts: list[str] | None = None, verify_hashes: bool = True) -> dict[str, Any]:
+    """The state saved at `path` (all parts, or those named); CheckpointError if incomplete."""
+    path = Path(path)
+    manifest = read_manifest(path, verify_hashes)
+    names = list(manifest["parts"]) if parts is None else parts
+    state = {}
+    for name in names:
+        if name not in manifest["parts"]:
+            raise CheckpointError(f"{path / MANIFEST}: no part {name!r} "
+                                  f"(parts: {', '.join(manifest['parts'])})")
+        file = path / manifest["parts"][name]
+        try:
+            if name == "meta":
+                state[name] = json.loads(file.read_text())
+            else:
+                state[name] = torch.load(file, map_location=map_location, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"{file}: cannot be loaded ({err})") from err
+    return state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, torch (and CUDA) RNG states in a form that loads with weights_only=True."""
+    version, internal, gauss = random.getstate()
+    state = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore the states captured by capture_rng_state."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal.tolist()), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
