@@ -148,10 +148,10 @@ class Config:
     tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def effective_warmup_steps(self) -> int:
-        """optim.warmup_steps, or 5% of train.steps when it is null."""
+        """optim.warmup_steps, or round(5% of train.steps) when it is null."""
         if self.optim.warmup_steps is not None:
             return self.optim.warmup_steps
-        return int(0.05 * self.train.steps)
+        return round(0.05 * self.train.steps)
 
     def layout_tag(self, world_size: int) -> str:
         """The layout as a short string, e.g. "tp2-pp2-dp2"."""
@@ -371,7 +371,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(cfg.checkpoint.keep >= 0, "checkpoint.keep", f"must be >= 0, got {cfg.checkpoint.keep}")
 
     _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr",
+           f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
     _check(o.warmup_steps is None or 0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
            f"must be null or in [0, train.steps={t.steps}), got {o.warmup_steps}")
     for name in ("beta1", "beta2"):
