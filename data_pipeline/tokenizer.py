@@ -9,6 +9,7 @@ Ids: 0 <unk>, 1 <s>, 2 </s> (the end-of-document token), 3 newline.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,21 +20,25 @@ from data_pipeline import DataError
 from data_pipeline.index import INDEX_FILE, sha256_file
 
 TOKENIZER_FILE = "tokenizer.model"
+# The trained pieces depend on sentencepiece's thread count, so it is fixed (not --workers)
+# for the same tokenizer on every machine; oversubscribing a small machine costs little.
+TRAIN_THREADS = 8
 
 
-def train_tokenizer(
-    lines: Iterable[str], model_prefix: Path, vocab_size: int, threads: int, seed: int
-) -> Path:
-    """Train a unigram sentencepiece model on `lines`; returns the .model path.
+def train_tokenizer(lines: Iterable[str], model_path: Path, vocab_size: int, seed: int) -> Path:
+    """Train a unigram sentencepiece model on `lines` and write it to model_path.
 
     The caller samples the lines (deterministically); sentencepiece itself samples nothing.
-    hard_vocab_limit is off, so a small corpus may give fewer pieces than asked for.
+    The model is returned in memory and written by us, so no output path ends up inside
+    it: the same lines give the same bytes. hard_vocab_limit is off, so a small corpus may
+    give fewer pieces than asked for.
     """
     spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(lines),
-            model_prefix=str(model_prefix),
+            model_writer=model,
             vocab_size=vocab_size,
             model_type="unigram",
             character_coverage=0.9995,
@@ -45,7 +50,7 @@ def train_tokenizer(
             hard_vocab_limit=False,
             input_sentence_size=0,
             shuffle_input_sentence=False,
-            num_threads=max(1, threads),
+            num_threads=TRAIN_THREADS,
             unk_id=0,
             bos_id=1,
             eos_id=2,
@@ -57,7 +62,8 @@ def train_tokenizer(
         if "smaller than required_chars" in str(error):
             hint = f" (--vocab-size {vocab_size} is too small for this corpus; raise it)"
         raise DataError(f"tokenizer training failed{hint}: {error}") from error
-    return Path(f"{model_prefix}.model")
+    model_path.write_bytes(model.getvalue())
+    return model_path
 
 
 def load_tokenizer(path: str | Path, expected_sha256: str | None = None):
