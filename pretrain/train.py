@@ -47,7 +47,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return f"tp{self.tp}-pp1-dp{self.dp}"
+        return f"tp{self.tp}-pp1-dp{self.dp}"  # as Config.layout_tag
 
     @property
     def is_main(self) -> bool:
@@ -226,10 +226,8 @@ class Trainer:
         from pretrain.optim import lr_at
 
         o = self.cfg.optim
-        warmup = o.warmup_steps
-        if warmup is None:
-            warmup = round(0.05 * self.cfg.train.steps)
-        return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=warmup, total=self.cfg.train.steps)
+        return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=self.cfg.effective_warmup_steps(),
+                     total=self.cfg.train.steps)
 
     def train_step(self, batch: torch.Tensor) -> dict:
         """Forward/backward over the micro-batches, reduce, clip, update; returns metrics."""
@@ -289,7 +287,8 @@ def run_training(cfg: Config) -> int:
         save_config(cfg, run_dir / "config.yaml")
     resumed_at = trainer.step if trainer.resume_from is not None else None
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=resumed_at) if main else None
-    tracker = Tracker(cfg, run_dir, trainer.mlflow_run_id, enabled=main)
+    tracker = Tracker(cfg, run_dir, trainer.mlflow_run_id,
+                      enabled=main and cfg.tracking.enabled)
     trainer.mlflow_run_id = tracker.run_id
     tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at)})
     if main:

@@ -49,8 +49,9 @@ def naive_forward(model, tokens, matrix):
     return model.head(y)
 
 
+@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
 @pytest.mark.parametrize("d,k,p,window", SHAPES)
-def test_dwa_matches_naive_formula(d, k, p, window):
+def test_dwa_matches_naive_formula(d, k, p, window, functional):
     torch.manual_seed(0)
     model = DenseFormer(tiny(d, k, p, window), seed=1)
     gen = torch.Generator().manual_seed(d * 100 + k * 10 + p)
@@ -59,7 +60,7 @@ def test_dwa_matches_naive_formula(d, k, p, window):
     assert torch.equal(model.dwa_matrix(), matrix)
     tokens = torch.randint(0, 50, (2, 16), generator=gen)
 
-    out = model(tokens)
+    out = model.head(model.run_blocks(model.embed(tokens), functional=functional))
     out.square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

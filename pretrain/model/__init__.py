@@ -1,6 +1,17 @@
-"""DenseFormer model: `from pretrain.model import DenseFormerConfig, DenseFormer`."""
+"""DenseFormer model: `from pretrain.model import DenseFormerConfig, DenseFormer`.
+
+`DenseFormer` is imported lazily: it pulls in megatron-core (seconds), which config-only
+users (config validation, `python -m pretrain config`, the memory estimator) do not need.
+"""
 
 from pretrain.model.config import DenseFormerConfig, ModelConfigError
-from pretrain.model.denseformer import DenseFormer
 
 __all__ = ["DenseFormer", "DenseFormerConfig", "ModelConfigError"]
+
+
+def __getattr__(name: str):
+    if name == "DenseFormer":
+        from pretrain.model.denseformer import DenseFormer
+
+        return DenseFormer
+    raise AttributeError(f"module 'pretrain.model' has no attribute {name!r}")

@@ -22,7 +22,15 @@ from torch import nn
 
 from parallel import groups
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.dwa import depth_weighted_average, dwa_inputs, dwa_mask, initial_alpha
+from pretrain.model.dwa import (
+    Combine,
+    DWABuffers,
+    DWAPlan,
+    StoreOutput,
+    depth_weighted_average,
+    dwa_mask,
+    initial_alpha,
+)
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init
 
@@ -65,11 +73,10 @@ class DenseFormer(nn.Module):
             Block(cfg, mp, self.tp_group, self.rope) for _ in range(cfg.n_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
         self.register_buffer("dwa_pattern", dwa_mask(cfg), persistent=False)
-        self._dwa_rows = dwa_inputs(cfg)
+        self.dwa_plan = DWAPlan.from_config(cfg)
+        self._dwa_rows = self.dwa_plan.inputs
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
-        # X_j is kept until its last reader; last_reader[j] = the last DWA that reads X_j.
-        self._last_reader = {j: i for i, js in self._dwa_rows.items() for j in js}
         _mark_tensor_parallel(self)
         self.init_weights(seed)
 
@@ -83,22 +90,34 @@ class DenseFormer(nn.Module):
         """X_0: token embeddings (B, S, H)."""
         return self.embedding(tokens)
 
-    def run_blocks(self, x0: torch.Tensor) -> torch.Tensor:
-        """Y_d from X_0: every block, each followed by its DWA (if any)."""
-        kept = {0: x0} if 0 in self._last_reader else {}
-        y = x0
+    def run_blocks(self, x0: torch.Tensor, functional: bool | None = None) -> torch.Tensor:
+        """Y_d from X_0: every block, each followed by its DWA (if any).
+
+        `functional` picks the stack + tensordot DWA (default under torch.compile) instead of
+        the buffered one (default in eager mode); both compute the same function."""
+        if functional is None:
+            functional = torch.compiler.is_compiling()
+        plan = self.dwa_plan
+        buffers = None if functional or not plan.slot else DWABuffers(plan.class_sizes, x0)
+        kept = {}  # j -> X_j, for the X_j that a later DWA reads
+
+        def keep(j: int, x: torch.Tensor) -> torch.Tensor:
+            if j in plan.slot:
+                x = x if buffers is None else StoreOutput.apply(x, buffers, *plan.slot[j])
+                kept[j] = x
+            return x
+
+        y = keep(0, x0)
         for i, block in enumerate(self.blocks, start=1):
-            x = block(y)
-            if i in self._last_reader:
-                kept[i] = x
-            js = self._dwa_rows.get(i)
+            x = keep(i, block(y))
+            js = plan.inputs.get(i)
             if js is None:
                 y = x
-                continue
-            y = depth_weighted_average(self.dwa_alpha[i - 1, js], [kept[j] for j in js])
-            for j in js:
-                if self._last_reader[j] == i:
-                    del kept[j]
+            elif buffers is None:
+                y = depth_weighted_average(self.dwa_alpha[i - 1, js], [kept[j] for j in js])
+            else:
+                y = Combine.apply(self.dwa_alpha[i - 1, js], buffers, *plan.reads[i],
+                                  *[kept[j] for j in js])
         return y
 
     def local_logits(self, y: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,23 @@ Y_i = sum_{j in S_i} alpha[i, j] X_j with S_i = {0 <= j <= i : j = i (mod k)}, o
 to the window j > i - K (Last-K); block i has a DWA iff i = 0 (mod p). See config.py for the
 index conventions. The alphas of all DWAs live in one (d, d + 1) matrix: row i - 1 is the DWA
 after block i, and entries outside the pattern stay exactly zero (they never get gradient).
+
+Two implementations of the same contraction, tested against each other and a naive loop:
+
+- eager (`DWABuffers`, `StoreOutput`, `Combine`): each X_j that a later DWA reads is copied
+  once into a contiguous buffer of its residue class, so S_i is a slice and a DWA is one
+  matrix-vector product. Gradients w.r.t. the X_j are accumulated with one rank-1 update per
+  DWA into a matching gradient buffer and handed to block j's output when autograd reaches it.
+  Autograd never saves (or version-checks) the buffers, so writing later slots is safe; the
+  buffers belong to one forward pass, so micro-batches and activation recomputation (which
+  rewrites identical values) do not interfere.
+- functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
+  the compiler fuses the stack into the reduction.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -48,36 +62,107 @@ def initial_alpha(cfg: DenseFormerConfig) -> torch.Tensor:
     return alpha
 
 
-class DepthWeightedAverage(torch.autograd.Function):
-    """y = sum_n weights[n] * xs[n], as one contraction.
+@dataclass(frozen=True)
+class DWAPlan:
+    """Where each stored X_j lives and which slice each DWA reads.
 
-    Autograd saves only references to the inputs (which are alive anyway: they are block
-    outputs), never the stacked copy, so memory stays linear in depth; the backward pass is one
-    contraction for the weights and one outer product for the inputs. No in-place writes into
-    shared buffers, so activation checkpointing and torch.compile see a plain function.
+    slot[j] = (residue class r = j mod k, position among the stored X of class r);
+    reads[i] = (r, start, stop): the DWA after block i reads positions [start, stop) of class
+    r, which are exactly S_i in increasing j (S_i is a contiguous run of its class).
     """
+
+    slot: dict[int, tuple[int, int]]
+    class_sizes: dict[int, int]
+    reads: dict[int, tuple[int, int, int]]
+    inputs: dict[int, list[int]]
+
+    @classmethod
+    def from_config(cls, cfg: DenseFormerConfig) -> "DWAPlan":
+        inputs = dwa_inputs(cfg)
+        stored = sorted({j for js in inputs.values() for j in js})
+        slot, sizes = {}, {}
+        for j in stored:
+            r = j % cfg.dwa_dilation
+            slot[j] = (r, sizes.get(r, 0))
+            sizes[r] = sizes.get(r, 0) + 1
+        reads = {}
+        for i, js in inputs.items():
+            r, start = slot[js[0]]
+            assert [slot[j] for j in js] == [(r, start + n) for n in range(len(js))]
+            reads[i] = (r, start, start + len(js))
+        return cls(slot=slot, class_sizes=sizes, reads=reads, inputs=inputs)
+
+
+class DWABuffers:
+    """One forward pass's stored X_j (per class, contiguous) and, in backward, their grads."""
+
+    def __init__(self, class_sizes: dict[int, int], like: torch.Tensor):
+        self.values = {r: like.new_empty((n, *like.shape)) for r, n in class_sizes.items()}
+        self.grads: dict[int, torch.Tensor] = {}
+
+
+class StoreOutput(torch.autograd.Function):
+    """Identity on X_j that also copies it into its buffer slot; in backward it adds the
+    gradient the DWAs accumulated for X_j (they all ran before: they consume this output)."""
+
+    @staticmethod
+    def forward(ctx, x, buffers: DWABuffers, r: int, position: int):
+        buffers.values[r][position].copy_(x)
+        ctx.buffers, ctx.r, ctx.position = buffers, r, position
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        accumulated = ctx.buffers.grads.get(ctx.r)
+        if accumulated is not None:
+            grad = grad + accumulated[ctx.position]
+        return grad, None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """y = sum_n w[n] * values[r][start + n]: one matrix-vector product over the buffer.
+
+    `stored` are the StoreOutput results for S_i: passed only so that autograd runs this
+    backward before theirs; their gradient goes through the gradient buffer instead."""
+
+    @staticmethod
+    def forward(ctx, weights, buffers: DWABuffers, r: int, start: int, stop: int, *stored):
+        values = buffers.values[r][start:stop]
+        ctx.save_for_backward(weights)
+        ctx.buffers, ctx.r, ctx.start, ctx.stop = buffers, r, start, stop
+        w = weights.to(values.dtype)
+        return torch.mv(values.reshape(stop - start, -1).t(), w).view(values.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weights,) = ctx.saved_tensors
+        buffers, r, start, stop = ctx.buffers, ctx.r, ctx.start, ctx.stop
+        values = buffers.values[r]
+        flat_grad = grad_y.reshape(-1).to(values.dtype)
+        grad_weights = torch.mv(values[start:stop].reshape(stop - start, -1), flat_grad)
+        if r not in buffers.grads:
+            buffers.grads[r] = torch.zeros_like(values)
+        buffers.grads[r][start:stop].view(stop - start, -1).addr_(
+            weights.to(values.dtype), flat_grad)
+        return (grad_weights.to(weights.dtype), None, None, None, None) + \
+            (None,) * (stop - start)
+
+
+class DepthWeightedAverage(torch.autograd.Function):
+    """y = sum_n weights[n] * xs[n] (functional form; saves only references to the inputs)."""
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weights, *xs)
-        if len(xs) == 1:
-            return xs[0] * weights[0].to(xs[0].dtype)
         return torch.tensordot(weights.to(xs[0].dtype), torch.stack(xs), dims=1)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         weights, *xs = ctx.saved_tensors
-        flat_grad = grad_y.reshape(-1)
-        grad_weights = grad_xs = None
-        if ctx.needs_input_grad[0]:
-            stacked = torch.stack(xs).reshape(len(xs), -1)
-            grad_weights = (stacked @ flat_grad).to(weights.dtype)
-        if any(ctx.needs_input_grad[1:]):
-            grad_xs = torch.outer(weights.to(grad_y.dtype), flat_grad)
-            grad_xs = grad_xs.view(len(xs), *grad_y.shape).unbind(0)
-        else:
-            grad_xs = (None,) * len(xs)
-        return (grad_weights, *grad_xs)
+        grad_weights = torch.stack(xs).reshape(len(xs), -1) @ grad_y.reshape(-1)
+        # Separate tensors (not views of one outer product) so each is freed once consumed.
+        grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(grad_y.dtype).unbind()))
+        return (grad_weights.to(weights.dtype), *grad_xs)
 
 
 def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
