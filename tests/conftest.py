@@ -1,0 +1,31 @@
+"""Shared fixtures: a tiny tokenised dataset built once per test session."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A small dataset (demo corpus text, vocab 512, seq_len 32) written by data_pipeline."""
+    from data_pipeline.demo_corpus import build_demo_corpus
+    from data_pipeline.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("tiny-data")
+    corpus = root / "corpus.jsonl"
+    build_demo_corpus(corpus, max_mb=0.3, workers=1, progress=False)
+    out = root / "data"
+    prepare_dataset([str(corpus)], out, vocab_size=512, seq_len=32, val_fraction=0.05,
+                    workers=1, progress=False)
+    return out
+
+
+def cli_env() -> dict:
+    """Environment for CLI subprocesses: one thread per process, repo on the path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
