@@ -46,7 +46,7 @@ DEFAULT_SEQ_LEN = 1024
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SHARD_MB = 256.0
 DEFAULT_TOKENIZER_TRAIN_MB = 64.0
-CHUNK_BYTES = 1 << 20  # text per tokenisation task
+CHUNK_BYTES = 1 << 18  # text per tokenisation task (small enough to balance workers)
 
 
 def _bar(progress: bool, **kwargs) -> tqdm:
