@@ -10,8 +10,11 @@ The loader's state is the number of global positions consumed (samples_consumed)
 resume continues exactly, whatever the DP size or number of DataLoader workers.
 
 Samples are read with wids (random access into webdataset tar shards). wids resolves a
-shard url to cache_dir/<basename> and copies the file there if it is missing; the cache
-dir here holds one symlink per shard, so nothing is copied.
+shard url to cache_dir/<basename>, copies the file there if it is missing, and takes a
+lock file next to it. The cache dir used here is local (the temp dir, one per user and
+dataset path, or the cache_dir argument) and holds one symlink per shard: nothing is
+copied, nothing is written into the dataset directory (which may be read-only or on a
+network file system), and the shards are named by absolute path.
 """
 
 from __future__ import annotations
@@ -37,15 +40,12 @@ from data_pipeline.shuffle import PURPOSE_EPOCH_ORDER, seeded_permutation
 # wids refuses more than 100 simultaneously open shards per process (wids_dl); keep its
 # LRU below that, with room for a validation reader next to the training one.
 MAX_OPEN_SHARDS = 64
-CACHE_SUBDIR = ".wids-cache"
 
 
 def default_cache_dir(data_dir: Path) -> Path:
-    """DIR/.wids-cache if DIR is writable, else a per-dataset folder in the temp dir."""
-    if os.access(data_dir, os.W_OK):
-        return data_dir / CACHE_SUBDIR
+    """$TMPDIR/wids-cache-<uid>-<hash of the dataset path>: local, private, stable."""
     digest = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"wids-cache-{digest}"
+    return Path(tempfile.gettempdir()) / f"wids-cache-{os.getuid()}-{digest}"
 
 
 def _link_shards(cache_dir: Path, index: DatasetIndex, split: str) -> None:
@@ -53,10 +53,7 @@ def _link_shards(cache_dir: Path, index: DatasetIndex, split: str) -> None:
     cache_dir.mkdir(parents=True, exist_ok=True)
     for shard in index.shards(split):
         link = cache_dir / shard.name
-        if cache_dir.parent == index.data_dir:
-            target = os.path.join("..", shard.name)
-        else:
-            target = str(shard.path)
+        target = str(shard.path)
         if link.is_symlink() and os.readlink(link) == target:
             continue
         temporary = cache_dir / f".{shard.name}.{os.getpid()}.link"

@@ -7,6 +7,7 @@ import gzip
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from data_fixtures import make_documents, prepare_tiny, write_jsonl
@@ -16,6 +17,12 @@ from data_pipeline.__main__ import main
 from data_pipeline.index import read_index
 from data_pipeline.loader import TrainLoader, validation_batches
 from data_pipeline.tokenizer import load_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def private_temp_dir(tmp_path, monkeypatch):
+    """The loader's wids cache (symlinks) lives in the temp dir: keep it in tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,6 +15,12 @@ from data_pipeline.loader import SampleOrder, TrainLoader, validation_batches
 from data_pipeline.shards import read_shard_samples
 
 GLOBAL_BATCH = 8
+
+
+@pytest.fixture(autouse=True)
+def private_temp_dir(tmp_path, monkeypatch):
+    """The loader's wids cache (symlinks) lives in the temp dir: keep it in tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="module")
