@@ -325,11 +325,11 @@ def run_training(cfg: Config) -> int:
                     tracker.log_metrics({k: v for k, v in record.items()
                                          if k != "step" and isinstance(v, float)}, step)
                     progress.update(1)
-                    progress.set_postfix(loss=record["loss"], lr=f"{record['lr']:.2e}")
+                    progress.set_postfix(loss=_fmt(record["loss"]), lr=f"{record['lr']:.2e}")
                 if step % cfg.train.log_every == 0 or step == stop_at:
                     _print_main(layout, (
-                        f"step {step}/{cfg.train.steps} loss {record['loss']} lr "
-                        f"{record['lr']:.3e} grad_norm {record['grad_norm']} "
+                        f"step {step}/{cfg.train.steps} loss {_fmt(record['loss'])} lr "
+                        f"{record['lr']:.3e} grad_norm {_fmt(record['grad_norm'])} "
                         f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"))
                 if (cfg.train.eval_every and step % cfg.train.eval_every == 0) \
                         or step == cfg.train.steps:
@@ -364,6 +364,10 @@ def run_training(cfg: Config) -> int:
                     f"{trainer.ckpt_dir}; MLflow run {tracker.run_id} in "
                     f"{cfg.tracking.uri or 'sqlite:///' + str(run_dir / 'mlflow.db')}")
     return status
+
+
+def _fmt(value: float | None) -> str:
+    return "nan (step skipped)" if value is None else f"{value:.4f}"
 
 
 def _latest(trainer: Trainer):

@@ -14,7 +14,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 echo "setting up $VENV (about 2 minutes the first time)..." >&2
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | { grep -v "is ignored: it is neither" || true; }
 # The CPU wheel of torch lies on disk here; on a GPU cluster install your CUDA build of torch
 # first and this line is a no-op (any torch >= 2.6 satisfies pyproject.toml).
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
