@@ -236,6 +236,8 @@ def _build(
     model_path = tmp_dir / TOKENIZER_FILE
     stride = None
     if tokenizer is not None:
+        if Path(tokenizer).is_dir():
+            raise DataError(f"{tokenizer}: --tokenizer expects a sentencepiece .model file")
         load_tokenizer(tokenizer)  # fails early, naming the file, if it is not a model
         shutil.copyfile(tokenizer, model_path)
     else:

@@ -85,6 +85,21 @@ def test_missing_and_empty_inputs(tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_bad_tokenizer_option(tmp_path, corpus, capsys):
+    out = tmp_path / "ds"
+    base = ["prepare", "--input", str(corpus), "--out", str(out), "--workers", "1"]
+    model_dir = tmp_path / "model_dir"
+    model_dir.mkdir()
+    assert str(model_dir) in cli_error(capsys, base + ["--tokenizer", str(model_dir)])
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a model")
+    assert str(garbage) in cli_error(capsys, base + ["--tokenizer", str(garbage)])
+    both = base + ["--tokenizer", str(garbage), "--vocab-size", "400"]
+    assert "either --tokenizer or --vocab-size" in cli_error(capsys, both)
+    assert_nothing_left(tmp_path, out)
+
+
+@pytest.mark.timeout(60)
 def test_malformed_inputs(tmp_path, capsys):
     out = tmp_path / "ds"
     bad_json = tmp_path / "bad.jsonl"
@@ -150,6 +165,13 @@ def test_corrupted_shard_same_size(dataset, capsys):
     loader = TrainLoader(dataset.data_dir, global_batch_size=dataset.num_samples("train"))
     with pytest.raises(DataError, match=str(shard.path)):
         next(loader)  # one batch is the whole epoch, so it reads the damaged sample
+    # Raised in a DataLoader worker, it reaches the caller as the same DataError.
+    loader = TrainLoader(
+        dataset.data_dir, global_batch_size=dataset.num_samples("train"), num_workers=2
+    )
+    with pytest.raises(DataError, match=str(shard.path)):
+        next(loader)
+    loader.close()
 
 
 @pytest.mark.timeout(60)
