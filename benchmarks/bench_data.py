@@ -55,7 +55,9 @@ def bench_loader(data_dir: Path, global_batch: int, num_workers: int, steps: int
     # Imported here: spawned tokenisation workers re-import this script, and need no torch.
     from data_pipeline.loader import TrainLoader
 
-    loader = TrainLoader(data_dir, global_batch, seed=0, num_workers=num_workers)
+    loader = TrainLoader(
+        data_dir, global_batch, seed=0, num_workers=num_workers, cache_dir=data_dir.parent / "wids"
+    )
     list(itertools.islice(loader, 5))  # start workers, open shards
     start = time.perf_counter()
     tokens = sum(batch.numel() for batch in itertools.islice(loader, steps))
@@ -66,14 +68,23 @@ def bench_loader(data_dir: Path, global_batch: int, num_workers: int, steps: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--consumption-tokens-per-s", type=float, default=20000.0,
-                        help="training consumption to compare the loader against")
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="keep the corpus and dataset here (reused when present)")
+    parser.add_argument(
+        "--consumption-tokens-per-s",
+        type=float,
+        default=20000.0,
+        help="training consumption to compare the loader against",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep the corpus and dataset here (reused when present)",
+    )
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenisation processes")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="tokenisation processes"
+    )
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--loader-workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--steps", type=int, default=300, help="loader batches to time")
@@ -89,26 +100,38 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, float] = {}
     if not corpus.exists():
         stats, results["demo_corpus_s"] = timed(lambda: build_demo_corpus(corpus, progress=False))
-        print(f"demo-corpus: {stats['documents']} documents, {stats['bytes'] / 1e6:.2f} MB "
-              f"in {results['demo_corpus_s']:.1f} s")
+        print(
+            f"demo-corpus: {stats['documents']} documents, {stats['bytes'] / 1e6:.2f} MB "
+            f"in {results['demo_corpus_s']:.1f} s"
+        )
     if not (data_dir / "index.json").exists():
-        _, results["prepare_s"] = timed(lambda: prepare_dataset(
-            [str(corpus)], data_dir, vocab_size=args.vocab_size, seq_len=args.seq_len,
-            workers=args.workers, progress=False))
-        print(f"prepare (vocab {args.vocab_size}, seq_len {args.seq_len}, "
-              f"{args.workers} workers): {results['prepare_s']:.1f} s")
+        _, results["prepare_s"] = timed(
+            lambda: prepare_dataset(
+                [str(corpus)],
+                data_dir,
+                vocab_size=args.vocab_size,
+                seq_len=args.seq_len,
+                workers=args.workers,
+                progress=False,
+            )
+        )
+        print(
+            f"prepare (vocab {args.vocab_size}, seq_len {args.seq_len}, "
+            f"{args.workers} workers): {results['prepare_s']:.1f} s"
+        )
     index = read_index(data_dir)
     results["tokenize_mb_per_s"] = bench_tokenize(corpus, index, args.workers, repeats=2)
-    print(f"tokenisation: {results['tokenize_mb_per_s']:.2f} MB/s of text "
-          f"({args.workers} workers)")
+    print(f"tokenisation: {results['tokenize_mb_per_s']:.2f} MB/s of text ({args.workers} workers)")
     for workers in args.loader_workers:
         rate = bench_loader(data_dir, args.global_batch, workers, args.steps)
         ratio = rate / args.consumption_tokens_per_s
         results[f"loader_tokens_per_s_workers{workers}"] = rate
-        print(f"loader ({workers} DataLoader workers, global batch {args.global_batch} x "
-              f"{index.sample_len}): {rate:,.0f} tokens/s = {ratio:.1f}x the consumption of "
-              f"{args.consumption_tokens_per_s:,.0f} tokens/s "
-              f"({'meets' if ratio >= 20 else 'BELOW'} the 20x goal)")
+        print(
+            f"loader ({workers} DataLoader workers, global batch {args.global_batch} x "
+            f"{index.sample_len}): {rate:,.0f} tokens/s = {ratio:.1f}x the consumption of "
+            f"{args.consumption_tokens_per_s:,.0f} tokens/s "
+            f"({'meets' if ratio >= 20 else 'BELOW'} the 20x goal)"
+        )
     if args.json:
         print(json.dumps(results, indent=2))
     if scratch is not None:

@@ -10,6 +10,7 @@ from data_fixtures import make_documents, prepare_tiny, write_jsonl, write_txt
 
 from data_pipeline.__main__ import main
 from data_pipeline.index import read_index, sha256_file
+from data_pipeline.loader import validation_batches
 from data_pipeline.shards import read_shard_samples
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.tokenizer import load_tokenizer
@@ -199,3 +200,13 @@ def test_cli_prepare_then_inspect(tmp_path, capsys):
         == 0
     )
     assert read_index(out).seq_len == 8
+
+
+@pytest.mark.timeout(60)
+def test_no_validation_split(tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40))
+    index = prepare_tiny([corpus], tmp_path / "ds", val_fraction=0)
+    assert index.shards("val") == [] and index.num_samples("val") == 0
+    assert index.raw["splits"]["train"]["documents"] == 40
+    assert list(validation_batches(index.data_dir, 2)) == []
+    assert main(["inspect", str(index.data_dir)]) == 0
