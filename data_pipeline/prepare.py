@@ -74,6 +74,11 @@ def check_output_dir(out_dir: Path, force: bool) -> None:
         )
 
 
+def _label(files: list[Path]) -> str:
+    """The inputs, for an error about all of them."""
+    return str(files[0]) if len(files) == 1 else f"{files[0]} (and {len(files) - 1} more inputs)"
+
+
 def _scan(files: list[Path], progress: bool) -> tuple[int, int]:
     """Count documents and UTF-8 bytes; a file with no document is an error."""
     documents = total_bytes = 0
@@ -257,7 +262,7 @@ def _build(
     num_val = round(val_fraction * num_docs)
     if val_fraction > 0:
         if num_docs < 2:
-            raise DataError(f"{files[0]}: one document cannot be split; use --val-fraction 0")
+            raise DataError(f"{_label(files)}: one document cannot be split; use --val-fraction 0")
         num_val = min(max(num_val, 1), num_docs - 1)
     is_val = np.zeros(num_docs, dtype=bool)
     is_val[seeded_permutation(num_docs, seed, PURPOSE_VAL_SPLIT)[:num_val]] = True
@@ -293,12 +298,12 @@ def _build(
         }
     if splits["train"]["samples"] == 0:
         raise DataError(
-            f"{files[0]}: the train split holds {packers['train'].tokens_dropped} tokens, "
+            f"{_label(files)}: the train split holds {packers['train'].tokens_dropped} tokens, "
             f"fewer than one sample of seq_len + 1 = {sample_len}; add text or lower --seq-len"
         )
     if val_fraction > 0 and splits["val"]["samples"] == 0:
         raise DataError(
-            f"{files[0]}: the val split holds {packers['val'].tokens_dropped} tokens, fewer "
+            f"{_label(files)}: the val split holds {packers['val'].tokens_dropped} tokens, fewer "
             f"than one sample of {sample_len}; raise --val-fraction or lower --seq-len"
         )
     return {

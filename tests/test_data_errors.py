@@ -201,6 +201,19 @@ def test_index_disagrees_with_shards(dataset, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_swapped_shards(dataset, capsys):
+    # Same sizes, so only the sample keys tell that the order is not the index's.
+    first, second = dataset.shards("train")[0].path, dataset.shards("train")[1].path
+    first_bytes = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(first_bytes)
+    assert str(first) in cli_error(capsys, ["inspect", str(dataset.data_dir)])
+    loader = TrainLoader(dataset.data_dir, global_batch_size=dataset.num_samples("train"))
+    with pytest.raises(DataError, match="index and shards disagree"):
+        next(loader)
+
+
+@pytest.mark.timeout(60)
 def test_bad_or_missing_index(dataset, capsys, tmp_path):
     index_path = dataset.index_path
     index_path.write_text("{ not json")
