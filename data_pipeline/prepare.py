@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,37 @@ def _encoded_chunks(files, model_path, dtype, workers):
 # --- the command ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PrepareOptions:
+    """The knobs of `prepare` (see the command line help), checked on creation."""
+
+    vocab_size: int | None = None  # None: DEFAULT_VOCAB_SIZE, or the --tokenizer's
+    seq_len: int = DEFAULT_SEQ_LEN
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    tokenizer: Path | None = None
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    seed: int = 0
+    shard_mb: float = DEFAULT_SHARD_MB
+    tokenizer_train_mb: float = DEFAULT_TOKENIZER_TRAIN_MB
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.seq_len < 1:
+            raise DataError(f"--seq-len must be at least 1, got {self.seq_len}")
+        if not 0 <= self.val_fraction < 1:
+            raise DataError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.workers < 1 or self.seed < 0 or self.shard_mb <= 0 or self.tokenizer_train_mb <= 0:
+            raise DataError(
+                f"bad option: workers={self.workers} seed={self.seed} shard_mb={self.shard_mb} "
+                f"tokenizer_train_mb={self.tokenizer_train_mb} "
+                "(need workers >= 1, seed >= 0, sizes > 0)"
+            )
+        if self.tokenizer is not None and self.vocab_size is not None:
+            raise DataError("give either --tokenizer or --vocab-size (the tokenizer fixes it)")
+        if self.tokenizer is not None and Path(self.tokenizer).is_dir():
+            raise DataError(f"{self.tokenizer}: --tokenizer expects a sentencepiece .model file")
+
+
 def prepare_dataset(
     inputs: list[str],
     out_dir: str | Path,
@@ -169,20 +201,23 @@ def prepare_dataset(
     force: bool = False,
     progress: bool = True,
 ) -> DatasetIndex:
-    """Build a dataset directory from raw text; returns its (checked) index."""
+    """Build a dataset directory from raw text; returns its (checked) index.
+
+    With workers > 1 it starts processes with the "spawn" method: a script calling it
+    needs the usual `if __name__ == "__main__":` guard.
+    """
+    options = PrepareOptions(
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        val_fraction=val_fraction,
+        tokenizer=Path(tokenizer) if tokenizer is not None else None,
+        workers=workers or os.cpu_count() or 1,
+        seed=seed,
+        shard_mb=shard_mb,
+        tokenizer_train_mb=tokenizer_train_mb,
+        progress=progress,
+    )
     out_dir = Path(out_dir).absolute()
-    workers = workers or os.cpu_count() or 1
-    if seq_len < 1:
-        raise DataError(f"--seq-len must be at least 1, got {seq_len}")
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if workers < 1 or seed < 0 or shard_mb <= 0 or tokenizer_train_mb <= 0:
-        raise DataError(
-            f"bad option: workers={workers} seed={seed} shard_mb={shard_mb} "
-            f"tokenizer_train_mb={tokenizer_train_mb} (need workers >= 1, seed >= 0, sizes > 0)"
-        )
-    if tokenizer is not None and vocab_size is not None:
-        raise DataError("give either --tokenizer or --vocab-size (the tokenizer fixes the vocab)")
     check_output_dir(out_dir, force)
     files = expand_inputs(inputs)
 
@@ -191,20 +226,7 @@ def prepare_dataset(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir()
     try:
-        raw_index = _build(
-            files,
-            tmp_dir,
-            vocab_size or DEFAULT_VOCAB_SIZE,
-            seq_len,
-            val_fraction,
-            tokenizer,
-            workers,
-            seed,
-            shard_mb,
-            tokenizer_train_mb,
-            progress,
-        )
-        write_index(raw_index, tmp_dir)
+        write_index(_build(files, tmp_dir, options), tmp_dir)
         _move_into_place(tmp_dir, out_dir)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -223,60 +245,60 @@ def _move_into_place(tmp_dir: Path, out_dir: Path) -> None:
         os.replace(tmp_dir, out_dir)
 
 
-def _build(
-    files,
-    tmp_dir,
-    vocab_size,
-    seq_len,
-    val_fraction,
-    tokenizer,
-    workers,
-    seed,
-    shard_mb,
-    tokenizer_train_mb,
-    progress,
-) -> dict:
-    num_docs, total_bytes = _scan(files, progress)
+def _tokenizer_into(model_path: Path, files, total_bytes: int, options) -> int | None:
+    """Copy or train the tokenizer to model_path; returns the training document stride."""
+    if options.tokenizer is not None:
+        load_tokenizer(options.tokenizer)  # fails early, naming the file, if not a model
+        shutil.copyfile(options.tokenizer, model_path)
+        return None
+    vocab_size = options.vocab_size or DEFAULT_VOCAB_SIZE
+    stride = max(1, math.ceil(total_bytes / (options.tokenizer_train_mb * 1e6)))
+    with _bar(options.progress, total=1, desc="tokenizer", unit="model") as bar:
+        train_tokenizer(_training_lines(files, stride), model_path, vocab_size, options.seed)
+        bar.update(1)
+    return stride
 
-    model_path = tmp_dir / TOKENIZER_FILE
-    stride = None
-    if tokenizer is not None:
-        if Path(tokenizer).is_dir():
-            raise DataError(f"{tokenizer}: --tokenizer expects a sentencepiece .model file")
-        load_tokenizer(tokenizer)  # fails early, naming the file, if it is not a model
-        shutil.copyfile(tokenizer, model_path)
-    else:
-        stride = max(1, math.ceil(total_bytes / (tokenizer_train_mb * 1e6)))
-        with _bar(progress, total=1, desc="tokenizer", unit="model") as bar:
-            train_tokenizer(_training_lines(files, stride), model_path, vocab_size, seed)
-            bar.update(1)
-    processor = load_tokenizer(model_path)
-    actual_vocab = processor.get_piece_size()
-    eos_id = processor.eos_id()
-    if eos_id < 0:
-        raise DataError(f"{tokenizer or model_path}: tokenizer has no end-of-sentence id")
-    if tokenizer is None and actual_vocab < vocab_size:
-        _note(f"the corpus supports only {actual_vocab} pieces (asked for {vocab_size})")
-    dtype = token_dtype_for(actual_vocab)
 
-    num_val = round(val_fraction * num_docs)
-    if val_fraction > 0:
+def _val_documents(num_docs: int, files, options) -> np.ndarray:
+    """Boolean mask over documents: round(F * D) of them (at least 1 if F > 0), seeded."""
+    num_val = round(options.val_fraction * num_docs)
+    if options.val_fraction > 0:
         if num_docs < 2:
             raise DataError(f"{_label(files)}: one document cannot be split; use --val-fraction 0")
         num_val = min(max(num_val, 1), num_docs - 1)
     is_val = np.zeros(num_docs, dtype=bool)
-    is_val[seeded_permutation(num_docs, seed, PURPOSE_VAL_SPLIT)[:num_val]] = True
+    is_val[seeded_permutation(num_docs, options.seed, PURPOSE_VAL_SPLIT)[:num_val]] = True
+    return is_val
 
-    sample_len = seq_len + 1
-    samples_per_shard = max(1, int(shard_mb * 1e6 // record_bytes(sample_len, dtype)))
+
+def _build(files: list[Path], tmp_dir: Path, options: PrepareOptions) -> dict:
+    """All phases, writing into tmp_dir; returns the index.json contents."""
+    num_docs, total_bytes = _scan(files, options.progress)
+    model_path = tmp_dir / TOKENIZER_FILE
+    stride = _tokenizer_into(model_path, files, total_bytes, options)
+    processor = load_tokenizer(model_path)
+    vocab_size, eos_id = processor.get_piece_size(), processor.eos_id()
+    if eos_id < 0:
+        raise DataError(f"{options.tokenizer}: tokenizer has no end-of-sentence id")
+    requested = options.vocab_size or DEFAULT_VOCAB_SIZE
+    if options.tokenizer is None and vocab_size < requested:
+        _note(f"the corpus supports only {vocab_size} pieces (asked for {requested})")
+    dtype = token_dtype_for(vocab_size)
+    is_val = _val_documents(num_docs, files, options)
+
+    sample_len = options.seq_len + 1
+    samples_per_shard = max(1, int(options.shard_mb * 1e6 // record_bytes(sample_len, dtype)))
     packers = {
         split: SequencePacker(sample_len, dtype, ShardWriter(tmp_dir, split, samples_per_shard))
         for split in ("train", "val")
     }
     doc_tokens = 0
     split_docs = {"train": 0, "val": 0}
-    with _bar(progress, total=total_bytes, desc="tokenize", unit="B", unit_scale=True) as bar:
-        for first, flat, lengths, text_bytes in _encoded_chunks(files, model_path, dtype, workers):
+    encoded = _encoded_chunks(files, model_path, dtype, options.workers)
+    with _bar(
+        options.progress, total=total_bytes, desc="tokenize", unit="B", unit_scale=True
+    ) as bar:
+        for first, flat, lengths, text_bytes in encoded:
             in_val = is_val[first : first + len(lengths)]
             token_in_val = np.repeat(in_val, lengths)
             packers["train"].add(flat[~token_in_val])
@@ -301,7 +323,7 @@ def _build(
             f"{_label(files)}: the train split holds {packers['train'].tokens_dropped} tokens, "
             f"fewer than one sample of seq_len + 1 = {sample_len}; add text or lower --seq-len"
         )
-    if val_fraction > 0 and splits["val"]["samples"] == 0:
+    if options.val_fraction > 0 and splits["val"]["samples"] == 0:
         raise DataError(
             f"{_label(files)}: the val split holds {packers['val'].tokens_dropped} tokens, fewer "
             f"than one sample of {sample_len}; raise --val-fraction or lower --seq-len"
@@ -309,15 +331,15 @@ def _build(
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "seq_len": seq_len,
+        "seq_len": options.seq_len,
         "sample_len": sample_len,
-        "vocab_size": actual_vocab,
+        "vocab_size": vocab_size,
         "token_dtype": dtype,
         "eos_id": eos_id,
         "tokenizer": {
             "file": TOKENIZER_FILE,
             "sha256": sha256_file(model_path),
-            "trained": tokenizer is None,
+            "trained": options.tokenizer is None,
         },
         "splits": splits,
         "inputs": {
@@ -327,8 +349,8 @@ def _build(
             "tokens": doc_tokens,
         },
         "options": {
-            "val_fraction": val_fraction,
-            "seed": seed,
+            "val_fraction": options.val_fraction,
+            "seed": options.seed,
             "samples_per_shard": samples_per_shard,
             "tokenizer_train_stride": stride,
         },
