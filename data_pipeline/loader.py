@@ -13,8 +13,9 @@ Samples are read with wids (random access into webdataset tar shards). wids reso
 shard url to cache_dir/<basename>, copies the file there if it is missing, and takes a
 lock file next to it. The cache dir used here is local (the temp dir, one per user and
 dataset path, or the cache_dir argument) and holds one symlink per shard: nothing is
-copied, nothing is written into the dataset directory (which may be read-only or on a
-network file system), and the shards are named by absolute path.
+copied and nothing is written into the dataset directory (which may be read-only or on a
+network file system). wids knows each shard by its file name only (a url without the
+directory, which wids would otherwise parse as a URL); the symlink supplies the path.
 """
 
 from __future__ import annotations
