@@ -10,6 +10,7 @@ field (plus `source`, the stdlib-relative path, for curiosity).
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import multiprocessing
 import os
@@ -115,14 +116,15 @@ def build_demo_corpus(
         total=len(sources), desc="demo-corpus", unit="file", file=sys.stderr, disable=not progress
     )
     try:
-        with (
-            open(partial, "w", encoding="utf-8") as sink,
-            multiprocessing.get_context("spawn").Pool(workers) as pool,
-        ):
-            # imap keeps the sorted file order whatever the number of workers.
-            for path, docs in zip(
-                sources, pool.imap(extract_documents, sources, chunksize=8), strict=True
-            ):
+        with contextlib.ExitStack() as stack:
+            sink = stack.enter_context(open(partial, "w", encoding="utf-8"))
+            if workers == 1:
+                extracted = map(extract_documents, sources)
+            else:  # leaving the stack terminates the pool, also after an early stop
+                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
+                # imap keeps the sorted file order whatever the number of workers.
+                extracted = pool.imap(extract_documents, sources, chunksize=8)
+            for path, docs in zip(sources, extracted, strict=True):
                 bar.update(1)
                 if docs:
                     stats["files"] += 1
@@ -132,7 +134,6 @@ def build_demo_corpus(
                     stats["documents"] += 1
                     stats["bytes"] += len(doc.encode("utf-8"))
                 if stats["bytes"] >= budget:
-                    pool.terminate()
                     break
         os.replace(partial, out)
     finally:

@@ -57,7 +57,7 @@ def test_extracts_docstrings_and_comment_blocks(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_demo_corpus_is_deterministic(tmp_path, capsys):
-    first = build_demo_corpus(tmp_path / "a.jsonl", max_mb=0.3, progress=False)
+    first = build_demo_corpus(tmp_path / "a.jsonl", max_mb=0.3, workers=1, progress=False)
     assert main(["demo-corpus", "--out", str(tmp_path / "b.jsonl"), "--max-mb", "0.3"]) == 0
     assert "documents" in capsys.readouterr().out
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
