@@ -33,16 +33,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_initialized(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> None:
+def ensure_initialized(tp: int | None = None, pp: int | None = None,
+                       timeout_s: float = 600.0) -> None:
     """Initialise torch.distributed and megatron-core's parallel_state unless already done.
 
     Under torchrun/Slurm the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) drives
     the process group; without it this process becomes a 1-rank world on a local port.
+    tp/pp None accept an existing layout (or make a TP=PP=1 one); given, they must match.
     """
     from megatron.core import parallel_state
 
     from parallel import megatron_compat
 
+    # Megatron's advice for overlapping TP communication with compute on GPUs; it must be
+    # set before the CUDA context exists.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     megatron_compat.apply()
     if not dist.is_initialized():
         device = default_device()
@@ -56,12 +61,12 @@ def ensure_initialized(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> No
                 rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1,
             create_gloo_process_groups=False)
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
+        if (tp or have[0], pp or have[1]) != have:
             raise RuntimeError(f"parallel state already initialised as (tp, pp)={have}, "
                                f"asked for {(tp, pp)}")
 

@@ -35,10 +35,52 @@ def _quiet_default_tp_group() -> None:
     layers.get_tensor_model_parallel_group_if_none = default_tp_group
 
 
+class _CudaNamingTheCpu:
+    """torch.cuda, except that current_device() names the CPU."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """The torch module as seen by a patched megatron module: only `torch.cuda` differs."""
+
+    cuda = _CudaNamingTheCpu()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+# Modules that allocate with `device=torch.cuda.current_device()` on paths we use.
+CUDA_DEVICE_MODULES = (
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather / reduce-scatter
+    "megatron.core.tensor_parallel.layers",  # reduce-scatter of the input grad under SP
+    "megatron.core.utils",  # GlobalMemoryBuffer: the all-gather buffer of SP linears
+)
+
+
+def _cpu_device_for_megatron_buffers() -> None:
+    """On a CPU-only torch, `torch.cuda.current_device()` raises ("Torch not compiled with
+    CUDA enabled"); megatron-core calls it to place the output buffers of its
+    sequence-parallel collectives and of the SP all-gather in its linear layers. We give
+    exactly those modules a view of torch in which the current device is the CPU (torch
+    itself is untouched). Applied only when CUDA is unavailable."""
+    import importlib
+
+    for name in CUDA_DEVICE_MODULES:
+        importlib.import_module(name).torch = _TorchOnCpu()
+
+
 def apply() -> None:
-    """Apply every patch once."""
+    """Apply every patch once (the CPU ones only without CUDA)."""
     global _applied
     if _applied:
         return
     _quiet_default_tp_group()
+    if not torch.cuda.is_available():
+        _cpu_device_for_megatron_buffers()
     _applied = True

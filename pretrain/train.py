@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel import groups
+from parallel.tensor import allreduce_sequence_parallel_grads
 from pretrain.config import Config, ConfigError, save_config
 from pretrain.evaluate import autocast_for, evaluate
 from pretrain.signals import EXIT_PREEMPTED, StopRequest
@@ -40,6 +41,9 @@ class Layout:
     world: int
     rank: int
     tp: int
+    tp_rank: int
+    tp_src: int  # global rank of TP rank 0 in this rank's TP group (it reads the data)
+    tp_group: object
     dp: int
     dp_rank: int
     dp_group: object
@@ -62,8 +66,6 @@ def setup_layout(cfg: Config) -> Layout:
         raise ConfigError("parallel.pp", "pipeline parallelism is not available yet; use pp=1")
     if cfg.parallel.zero_stage:
         raise ConfigError("parallel.zero_stage", "ZeRO is not available yet; use zero_stage=0")
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel", "not available yet; use false")
     device = groups.default_device()
     if cfg.train.device == "cpu":
         device = torch.device("cpu")
@@ -71,6 +73,9 @@ def setup_layout(cfg: Config) -> Layout:
         raise ConfigError("train.device", "cuda requested but no CUDA device is available")
     groups.ensure_initialized(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=cfg.parallel.tp,
+                  tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                  tp_src=parallel_state.get_tensor_model_parallel_src_rank(),
+                  tp_group=parallel_state.get_tensor_model_parallel_group(),
                   dp=parallel_state.get_data_parallel_world_size(),
                   dp_rank=parallel_state.get_data_parallel_rank(),
                   dp_group=parallel_state.get_data_parallel_group(), device=device)
@@ -113,7 +118,7 @@ def gradient_norm(model, layout: Layout) -> torch.Tensor:
         else:
             replicated += sq
     if layout.tp > 1:
-        dist.all_reduce(sharded, group=model.tp_group)
+        dist.all_reduce(sharded, group=layout.tp_group)
     return (sharded + replicated).sqrt()
 
 
@@ -135,9 +140,8 @@ class Trainer:
     """Owns the model, optimizer, data loader and run directory of one training run."""
 
     def __init__(self, cfg: Config):
-        from data_pipeline.loader import TrainLoader
-
         from data_pipeline.index import read_index
+        from data_pipeline.loader import TrainLoader
         from pretrain import checkpoint
         from pretrain.model import DenseFormer
         from pretrain.optim import build_optimizer
@@ -162,7 +166,9 @@ class Trainer:
         self.resume_from = self._checkpoint_to_resume(checkpoint)
 
         self.dtype = compute_dtype(cfg, layout.device)
-        self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed).to(layout.device)
+        self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed,
+                                 sequence_parallel=cfg.parallel.sequence_parallel
+                                 ).to(layout.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.local_batch = cfg.train.batch_size // layout.dp
         self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
@@ -229,6 +235,19 @@ class Trainer:
         return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=self.cfg.effective_warmup_steps(),
                      total=self.cfg.train.steps)
 
+    def next_batch(self, data) -> torch.Tensor:
+        """This data-parallel rank's batch: TP rank 0 reads it, its TP peers receive it."""
+        layout = self.layout
+        if layout.tp == 1:
+            return next(data).to(layout.device)
+        if layout.tp_rank == 0:
+            batch = next(data).to(layout.device)
+        else:
+            batch = torch.empty(self.local_batch, self.index.seq_len + 1, dtype=torch.long,
+                                device=layout.device)
+        dist.broadcast(batch, src=layout.tp_src, group=layout.tp_group)
+        return batch
+
     def train_step(self, batch: torch.Tensor) -> dict:
         """Forward/backward over the micro-batches, reduce, clip, update; returns metrics."""
         cfg, layout = self.cfg, self.layout
@@ -240,11 +259,12 @@ class Trainer:
         seq = self.model_cfg.seq_len
         loss_sum = torch.zeros((), dtype=torch.float64, device=layout.device)
         micro = cfg.parallel.microbatches
-        for part in batch.to(layout.device).chunk(micro):
+        for part in batch.chunk(micro):
             with autocast_for(layout.device, self.dtype):
                 loss = self.model.loss(part[:, :seq], part[:, 1: seq + 1])
             (loss / micro).backward()
             loss_sum += loss.detach().double()
+        allreduce_sequence_parallel_grads(self.model, layout.tp_group)
         average_gradients(self.model, layout)
         if layout.dp > 1:
             dist.all_reduce(loss_sum, group=layout.dp_group)
@@ -315,7 +335,7 @@ def run_training(cfg: Config) -> int:
         with StopRequest() as stop:
             while trainer.step < stop_at:
                 start = time.perf_counter()
-                record = trainer.train_step(next(data))
+                record = trainer.train_step(trainer.next_batch(data))
                 elapsed = time.perf_counter() - start
                 record["tokens_per_s"] = tokens_per_step / elapsed
                 record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * layout.world)

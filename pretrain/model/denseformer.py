@@ -17,10 +17,14 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import (
+    linear_with_grad_accumulation_and_async_allreduce,
+    set_tensor_model_parallel_attributes,
+)
 from torch import nn
 
 from parallel import groups
+from parallel.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import (
     Combine,
@@ -57,16 +61,24 @@ def _mark_tensor_parallel(model: nn.Module) -> None:
 class DenseFormer(nn.Module):
     """DenseFormer LM; `model(tokens)` returns logits (B, S, vocab_size)."""
 
-    def __init__(self, config: DenseFormerConfig, *, seed: int = 0):
+    def __init__(self, config: DenseFormerConfig, *, seed: int = 0,
+                 sequence_parallel: bool = False):
         super().__init__()
         config.validate()
         groups.ensure_initialized()
         self.config = cfg = config
         self.tp_group = groups.tp_group()
         self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
-        mp = megatron_config(self.tp_size)
+        # Sequence parallelism: between the TP-parallel matmuls the residual stream (and so
+        # every DWA) holds this rank's slice of the sequence, laid out (S / TP, B, H).
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if self.sequence_parallel and cfg.seq_len % self.tp_size:
+            raise ValueError(f"sequence parallelism needs seq_len={cfg.seq_len} divisible by "
+                             f"TP={self.tp_size}")
+        mp = megatron_config(self.tp_size, self.sequence_parallel)
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.d_model,
                                                 init_method=_no_init, config=mp,
+                                                reduce_scatter_embeddings=self.sequence_parallel,
                                                 tp_group=self.tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(
@@ -78,6 +90,8 @@ class DenseFormer(nn.Module):
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
         _mark_tensor_parallel(self)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self)
         self.init_weights(seed)
 
     def init_weights(self, seed: int) -> None:
@@ -120,10 +134,19 @@ class DenseFormer(nn.Module):
                                   *[kept[j] for j in js])
         return y
 
-    def local_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """This TP rank's vocabulary shard of the logits, padded ids masked out."""
-        h = copy_to_tensor_model_parallel_region(self.final_norm(y), group=self.tp_group)
-        logits = F.linear(h, self.embedding.weight)
+    def local_logits(self, y: torch.Tensor, seq_first: bool = False) -> torch.Tensor:
+        """This TP rank's vocabulary shard of the logits (B, S, V / TP), padding masked;
+        (S, B, V / TP) under sequence parallelism if `seq_first` (saves a transpose copy)."""
+        h = self.final_norm(y)
+        if self.sequence_parallel:  # all-gather the sequence (reduce-scatter in backward)
+            logits = linear_with_grad_accumulation_and_async_allreduce(
+                h, self.embedding.weight, None, gradient_accumulation_fusion=False,
+                allreduce_dgrad=False, sequence_parallel=True, tp_group=self.tp_group)
+            if not seq_first:
+                logits = logits.transpose(0, 1)
+        else:
+            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            logits = F.linear(h, self.embedding.weight)
         shard = logits.shape[-1]
         start = self.tp_rank * shard
         if start + shard > self.config.vocab_size:
@@ -142,7 +165,9 @@ class DenseFormer(nn.Module):
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over all positions (vocab-parallel)."""
-        logits = self.local_logits(self.run_blocks(self.embed(tokens)))
+        logits = self.local_logits(self.run_blocks(self.embed(tokens)), seq_first=True)
+        if self.sequence_parallel:
+            targets = targets.t().contiguous()
         return cross_entropy(logits, targets)
 
     # -- analysis ------------------------------------------------------------------------
@@ -187,6 +212,6 @@ class DenseFormer(nn.Module):
 
 
 def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy from vocab-sharded logits (B, S, V/TP) and targets (B, S)."""
+    """Mean cross entropy from vocab-sharded logits (..., V / TP) and targets (...)."""
     per_token = vocab_parallel_cross_entropy(local_logits.float(), targets)
     return per_token.mean()

@@ -14,6 +14,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
+from parallel.tensor import tp_rank_rng
 from pretrain.model.config import DenseFormerConfig
 
 
@@ -41,8 +42,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Causal self-attention. Activations are (B, S, H), or (S, B, H) under sequence
+    parallelism (megatron's SP collectives split and gather the first dimension)."""
+
     def __init__(self, cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group):
         super().__init__()
+        self.tp_group = tp_group
+        self.seq_first = mp.sequence_parallel
         self.heads_local = cfg.n_heads // tp_group.size()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
@@ -56,13 +62,21 @@ class Attention(nn.Module):
                                       tp_group=tp_group)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv, _ = self.qkv(x)
-        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        qkv, _ = self.qkv(x)  # under SP: gathered to the full sequence first
+        if self.seq_first:
+            s, b, _ = qkv.shape
+            qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+        else:
+            b, s, _ = qkv.shape
+            qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = rope(qkv[0]), rope(qkv[1]), qkv[2]
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
+        dropout = self.dropout if self.training else 0.0
+        with tp_rank_rng(self.tp_group, enabled=dropout > 0):  # heads differ per TP rank
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        if self.seq_first:
+            out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        else:
+            out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
 
 
@@ -92,6 +106,8 @@ class Block(nn.Module):
         self.norm_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
         self.mlp = MLP(cfg, mp, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
+        # Under SP each TP rank holds another slice of the sequence: its own dropout stream.
+        self.tp_group = tp_group if mp.sequence_parallel else None
         if cfg.skip_gains:
             self.skip_gain_attn = nn.Parameter(torch.ones(()))
             self.skip_gain_mlp = nn.Parameter(torch.ones(()))
@@ -100,6 +116,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
-        h = skip + self.dropout(self.attn(self.norm_attn(x), self.rope))
+        attn = self.attn(self.norm_attn(x), self.rope)
+        with tp_rank_rng(self.tp_group, enabled=self.training and self.dropout.p > 0):
+            h = skip + self.dropout(attn)
         skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
-        return skip + self.dropout(self.mlp(self.norm_mlp(h)))
+        mlp = self.mlp(self.norm_mlp(h))
+        with tp_rank_rng(self.tp_group, enabled=self.training and self.dropout.p > 0):
+            return skip + self.dropout(mlp)
