@@ -37,3 +37,25 @@ def test_patched_row_parallel_linear_is_silent_and_correct():
         warnings.simplefilter("error")
         out, _ = layer(x)
     torch.testing.assert_close(out, x @ layer.weight.T)
+
+
+def test_sequence_parallel_buffers_still_ask_for_the_cuda_device():
+    """The CPU patch exists because these modules allocate on torch.cuda.current_device();
+    if they stop doing so (or the CPU torch stops raising), revisit the patch."""
+    import importlib
+    import inspect
+
+    import pytest
+
+    from parallel.megatron_compat import CUDA_DEVICE_MODULES, _TorchOnCpu
+
+    if torch.cuda.is_available():
+        pytest.skip("the patch applies only without CUDA")
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    for name in CUDA_DEVICE_MODULES:
+        module = importlib.import_module(name)
+        source = inspect.getsource(module)
+        assert "torch.cuda.current_device()" in source, name
+        groups.ensure_initialized()
+        assert isinstance(module.torch, _TorchOnCpu), name  # and the patch is in place
