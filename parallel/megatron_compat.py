@@ -75,6 +75,19 @@ def _cpu_device_for_megatron_buffers() -> None:
         importlib.import_module(name).torch = _TorchOnCpu()
 
 
+def _cpu_autocast_in_linear_backward() -> None:
+    """megatron-core decorates its TP matmul Function with torch.amp.custom_fwd/custom_bwd
+    for device_type="cuda" only, so under CPU autocast the forward runs in bf16 but the
+    backward runs without autocast and multiplies a bf16 gradient by the fp32 weight
+    ("expected m1 and m2 to have the same dtype"). We re-decorate the undecorated
+    forward/backward for the CPU, which replays the forward's autocast state in backward."""
+    from megatron.core.tensor_parallel import layers
+
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    fn.forward = staticmethod(torch.amp.custom_fwd(fn.forward.__wrapped__, device_type="cpu"))
+    fn.backward = staticmethod(torch.amp.custom_bwd(fn.backward.__wrapped__, device_type="cpu"))
+
+
 def apply() -> None:
     """Apply every patch once (the CPU ones only without CUDA)."""
     global _applied
@@ -83,4 +96,5 @@ def apply() -> None:
     _quiet_default_tp_group()
     if not torch.cuda.is_available():
         _cpu_device_for_megatron_buffers()
+        _cpu_autocast_in_linear_backward()
     _applied = True

@@ -59,3 +59,19 @@ def test_sequence_parallel_buffers_still_ask_for_the_cuda_device():
         assert "torch.cuda.current_device()" in source, name
         groups.ensure_initialized()
         assert isinstance(module.torch, _TorchOnCpu), name  # and the patch is in place
+
+
+def test_tp_matmul_autocast_decorators_are_still_cuda_only():
+    """If megatron decorates its TP matmul for CPU autocast too, drop our re-decoration."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    source = inspect.getsource(layers)
+    assert 'partial(torch.amp.custom_fwd, device_type="cuda")' in source
+    assert 'partial(torch.amp.custom_bwd, device_type="cuda")' in source
+    groups.ensure_initialized()
+    if not torch.cuda.is_available():  # patched: the wrapped forward now names the CPU
+        forward = layers.LinearWithGradAccumulationAndAsyncCommunication.forward
+        cells = [c.cell_contents for c in forward.__closure__ or ()]
+        assert "cpu" in cells

@@ -182,3 +182,23 @@ def test_param_count_matches_built_model_and_meta_build():
 def test_invalid_model_config_names_the_field(field, value):
     with pytest.raises(ModelConfigError, match=field if field != "n_heads" else "heads"):
         DenseFormerConfig(**{**vars(tiny(4)), field: value})
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
+def test_bf16_autocast_runs_and_stays_close_to_fp32(functional):
+    """bf16 is for GPUs (CPU bf16 matmul is ~100x slower): check correctness on a tiny shape."""
+    model = DenseFormer(tiny(4, 2, 1), seed=0)
+    model.load_dwa_matrix(random_alpha(model, torch.Generator().manual_seed(3)))
+    tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(4))
+
+    def loss():
+        logits = model.local_logits(model.run_blocks(model.embed(tokens[:, :-1]), functional))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
+
+    reference = loss()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = loss()
+    low.backward()
+    assert abs(low.item() - reference.item()) < 0.05
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -93,6 +93,12 @@ class DWAPlan:
         return cls(slot=slot, class_sizes=sizes, reads=reads, inputs=inputs)
 
 
+def _stream_precision(x: torch.Tensor):
+    """No autocast inside a DWA: it mixes residual-stream tensors, kept in their own dtype
+    (autocast would round the fp32 stream to bf16 in the matrix-vector product)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 class DWABuffers:
     """One forward pass's stored X_j (per class, contiguous) and, in backward, their grads."""
 
@@ -131,7 +137,8 @@ class Combine(torch.autograd.Function):
         ctx.save_for_backward(weights)
         ctx.buffers, ctx.r, ctx.start, ctx.stop = buffers, r, start, stop
         w = weights.to(values.dtype)
-        return torch.mv(values.reshape(stop - start, -1).t(), w).view(values.shape[1:])
+        with _stream_precision(values):
+            return torch.mv(values.reshape(stop - start, -1).t(), w).view(values.shape[1:])
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -154,11 +161,13 @@ class DepthWeightedAverage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weights: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(weights, *xs)
-        return torch.tensordot(weights.to(xs[0].dtype), torch.stack(xs), dims=1)
+        with _stream_precision(xs[0]):
+            return torch.tensordot(weights.to(xs[0].dtype), torch.stack(xs), dims=1)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         weights, *xs = ctx.saved_tensors
+        grad_y = grad_y.to(xs[0].dtype)
         grad_weights = torch.stack(xs).reshape(len(xs), -1) @ grad_y.reshape(-1)
         # Separate tensors (not views of one outer product) so each is freed once consumed.
         grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(grad_y.dtype).unbind()))
