@@ -10,7 +10,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m slurm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from slurm import launch
+    sweep = sub.add_parser("sweep", help="expand a sweep file; print its runs or submit them "
+                           "as one job array")
+    sweep.add_argument("sweep_file", help="sweep YAML (see configs/sweeps/)")
+    mode = sweep.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print the runs with N, D, C and estimated memory; write nothing")
+    mode.add_argument("--submit", action="store_true",
+                      help="write the sweep directory, create the MLflow experiment, sbatch")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="config override for every run")
+    sweep.add_argument("--out", help="sweep directory (default: the file's out, or "
+                       "runs/sweeps/<name>)")
+    sweep.add_argument("--tracking-uri", help="MLflow store (default: the file's "
+                       "tracking_uri, or sqlite:///<out>/mlflow.db)")
+
+    from slurm import fit, launch
+
+    fit.add_arguments(sub.add_parser(
+        "fit", help="fit scaling laws to a sweep's MLflow runs; print, plot, log"))
 
     launch.add_arguments(sub.add_parser(
         "launch", help="start this node's training ranks (used by slurm/train.sbatch)"))
@@ -19,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "sweep":
+        from slurm.sweep import cmd_sweep
+
+        return cmd_sweep(args)
+    if args.command == "fit":
+        from slurm.fit import cmd_fit
+
+        return cmd_fit(args)
     if args.command == "launch":
         from slurm.launch import launch
 

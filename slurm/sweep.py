@@ -1,0 +1,261 @@
+"""`python -m slurm sweep SWEEP.yaml --dry-run | --submit`: one job array per sweep.
+
+--submit writes the sweep directory (default runs/sweeps/<name>, or --out):
+
+    sweep.json          the manifest: every run's name, config, run dir, N, D, C, MLflow tags
+    configs/<run>.yaml  each run's resolved training config (run.dir, tracking set)
+    runs/<run>/         the run directories (written by training)
+    logs/               one Slurm log per array task: <sweep>-<array job>_<task>.out
+    mlflow.db           the default MLflow store (sqlite), unless tracking_uri is given
+
+creates the MLflow experiment, and submits slurm/train.sbatch as one job array
+(--array=0-<n-1>%<max_parallel>) whose task i trains run i (`--sweep DIR`: the launcher
+reads the manifest). After each task, its MLflow run gets the sweep's tags (sweep_id,
+architecture, N, D, C, ...), which `python -m slurm fit` reads. Submitting the same sweep
+again resubmits it: finished runs end at once, interrupted ones resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurm.sweep_spec import Sweep, SweepError, check_name
+
+MANIFEST = "sweep.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SBATCH = REPO_ROOT / "slurm" / "train.sbatch"
+
+
+def format_table(sweep: Sweep) -> str:
+    """The runs with N, D, C and the estimated memory per rank, one line each."""
+    width = max([len(r.name) for r in sweep.runs] + [3])
+    arch = max([len(r.architecture) for r in sweep.runs] + [4])
+    header = (f"{'#':>3}  {'run':<{width}} {'arch':<{arch}} {'L':>3} {'W':>5} {'N':>10} "
+              f"{'D':>10} {'steps':>7} {'C=6ND':>10} {'mem/rank':>9}")
+    lines = [f"sweep {sweep.name}: {len(sweep.runs)} runs from {sweep.path}", header]
+    for run in sweep.runs:
+        memory = _bytes(run.memory_bytes) if run.memory_bytes is not None else "n/a"
+        lines.append(
+            f"{run.index:>3}  {run.name:<{width}} {run.architecture:<{arch}} "
+            f"{run.values['n_layers']:>3} {run.values['d_model']:>5} {run.n_params:>10.4g} "
+            f"{run.tokens:>10.4g} {run.config.train.steps:>7} {run.compute:>10.3e} "
+            f"{memory:>9}")
+    lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
+                 "C = 6 N D FLOPs; mem/rank: an estimate (slurm/estimate.py: weights, "
+                 "gradients, AdamW at 16 B/param + activations), n/a until the vocabulary "
+                 "is known")
+    return "\n".join(lines)
+
+
+def _bytes(value: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value / 2**10:.3g}KiB"
+
+
+def sbatch_command(sweep: Sweep, out: Path) -> list[str]:
+    """The sbatch argument list (no shell is involved anywhere)."""
+    s = sweep.slurm
+    last = len(sweep.runs) - 1
+    command = ["sbatch", "--parsable", f"--array=0-{last}%{s['max_parallel']}",
+               f"--job-name={sweep.name}", f"--output={out / 'logs'}/%x-%A_%a.out",
+               f"--chdir={REPO_ROOT}", f"--nodes={s['nodes']}", "--ntasks-per-node=1",
+               f"--cpus-per-task={s['cpus_per_task']}",
+               f"--signal=B:USR1@{int(s['signal_seconds'])}", "--requeue"]
+    if s["gpus_per_node"]:
+        command.append(f"--gpus-per-node={int(s['gpus_per_node'])}")
+    for key in ("time", "partition", "account"):
+        if s[key]:
+            command.append(f"--{key}={s[key]}")
+    return [*command, *s["extra_args"], str(TRAIN_SBATCH), "--sweep", str(out)]
+
+
+def manifest_of(sweep: Sweep) -> dict:
+    return {
+        "format": 1, "sweep": sweep.name, "source": str(sweep.path), "base": str(sweep.base),
+        "experiment": sweep.experiment, "tracking_uri": sweep.tracking_uri,
+        "runs": [{"index": r.index, "name": r.name, "architecture": r.architecture,
+                  "config": f"configs/{r.name}.yaml", "run_dir": r.config.run.dir,
+                  "N": r.n_params, "D": r.tokens, "C": r.compute, "C_model": r.model_flops,
+                  "steps": r.config.train.steps, "tags": r.tags(sweep.name)}
+                 for r in sweep.runs]}
+
+
+def write_sweep(sweep: Sweep) -> Path:
+    """Write the manifest and the run configs; refuse a directory holding another sweep."""
+    from pretrain.config import save_config
+
+    out = sweep.out
+    if "%" in str(out):
+        raise SweepError(f"out: {out}: '%' is not allowed (Slurm expands it in log names)")
+    manifest = manifest_of(sweep)
+    existing = out / MANIFEST
+    if existing.exists():
+        old = json.loads(existing.read_text())
+        if [r["name"] for r in old.get("runs", [])] != [r["name"] for r in manifest["runs"]]:
+            raise SweepError(f"out: {out} already holds a different sweep ({old.get('sweep')}, "
+                             f"{len(old.get('runs', []))} runs); choose another --out")
+    (out / "configs").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    for run in sweep.runs:
+        save_config(run.config, out / "configs" / f"{run.name}.yaml")
+    tmp = existing.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, existing)
+    return existing
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient for `uri`, with MLflow's and alembic's INFO logging silenced."""
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(uri: str, name: str, tags: dict[str, str] | None = None) -> str:
+    """The id of experiment `name` in `uri`, created if missing (artifacts next to a sqlite
+    store, as pretrain.tracking.Tracker does)."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_client(uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = (Path(uri.removeprefix("sqlite:///")).resolve().parent
+                    / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location, tags=tags)
+    except MlflowException:  # created meanwhile
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def submit(sweep: Sweep) -> str:
+    """Write the sweep directory, create the experiment, submit the array; the job id."""
+    write_sweep(sweep)
+    ensure_experiment(sweep.tracking_uri, sweep.experiment, {"sweep_id": sweep.name})
+    command = sbatch_command(sweep, sweep.out)
+    env = {**os.environ, "DENSEFORMER_PYTHON": sys.executable,
+           "DENSEFORMER_ROOT": str(REPO_ROOT),
+           "DENSEFORMER_NPROC_PER_NODE": str(sweep.slurm["nproc_per_node"])}
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise SweepError("sbatch not found: run on a Slurm login node (or start "
+                         "slurm/local_cluster.sh and export SLURM_CONF)") from None
+    if result.returncode != 0:
+        raise SweepError(f"sbatch failed ({result.returncode}): {result.stderr.strip()}")
+    job_id = result.stdout.strip().split(";")[0]
+    with open(sweep.out / "submissions.log", "a") as log:
+        log.write(json.dumps({"job_id": job_id, "command": command}) + "\n")
+    return job_id
+
+
+def cmd_sweep(args) -> int:
+    from slurm.sweep_spec import expand
+
+    try:
+        sweep = expand(args.sweep_file, args.overrides, out=args.out,
+                       tracking_uri=args.tracking_uri)
+        print(format_table(sweep))
+        if args.dry_run:
+            print(f"MLflow: experiment {sweep.experiment} in {sweep.tracking_uri}\n"
+                  f"would write {sweep.out} and run: "
+                  f"{shlex.join(sbatch_command(sweep, sweep.out))}")
+            return 0
+        job_id = submit(sweep)
+    except SweepError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"submitted job array {job_id} ({len(sweep.runs)} tasks, at most "
+          f"{sweep.slurm['max_parallel']} at a time); logs in {sweep.out / 'logs'}\n"
+          f"MLflow: experiment {sweep.experiment} in {sweep.tracking_uri}\n"
+          f"when done: python -m slurm fit --experiment {sweep.experiment} "
+          f"--tracking-uri {shlex.quote(sweep.tracking_uri)}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The array task side (called by slurm/launch.py)
+
+
+@dataclass
+class SweepTask:
+    sweep: str
+    name: str
+    config_path: Path
+    run_dir: Path
+    tags: dict[str, str]
+    tracking_uri: str
+    experiment: str
+
+
+def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
+    """The run that this array task trains: entry SLURM_ARRAY_TASK_ID of the manifest."""
+    from slurm.launch import LaunchError
+
+    manifest_path = sweep_dir / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise LaunchError(f"--sweep {sweep_dir}: cannot read {MANIFEST}: {err}") from None
+    index = env.get("SLURM_ARRAY_TASK_ID", "")
+    runs = manifest.get("runs", [])
+    if not index.isdigit() or int(index) >= len(runs):
+        raise LaunchError(f"--sweep needs SLURM_ARRAY_TASK_ID in 0..{len(runs) - 1}, "
+                          f"got {index!r}")
+    run = runs[int(index)]
+    name = check_name(run["name"], "run name", r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+    return SweepTask(sweep=manifest["sweep"], name=name,
+                     config_path=sweep_dir / run["config"], run_dir=Path(run["run_dir"]),
+                     tags=dict(run["tags"]), tracking_uri=manifest["tracking_uri"],
+                     experiment=manifest["experiment"])
+
+
+def find_run_id(task: SweepTask, client) -> str | None:
+    """The MLflow run of a task: from its latest checkpoint, else by run name."""
+    from pretrain.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(task.run_dir / "checkpoints")
+    if checkpoint is not None:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        if meta.get("mlflow_run_id"):
+            return meta["mlflow_run_id"]
+    experiment = client.get_experiment_by_name(task.experiment)
+    if experiment is None:
+        return None
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`mlflow.runName` = '{task.name}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def tag_finished_task(task: SweepTask, status: int) -> None:
+    """Give the task's MLflow run the sweep's tags; a failure only warns."""
+    try:
+        from mlflow.entities import RunTag
+
+        client = mlflow_client(task.tracking_uri)
+        run_id = find_run_id(task, client)
+        if run_id is None:
+            print(f"launcher: warning: no MLflow run found for {task.name}; not tagged",
+                  file=sys.stderr)
+            return
+        tags = {**task.tags, "exit_status": str(status)}
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        print(f"launcher: tagged MLflow run {run_id} ({task.name}) with the sweep's tags",
+              file=sys.stderr)
+    except Exception as err:  # tracking must not turn a finished run into a failure
+        print(f"launcher: warning: tagging the MLflow run of {task.name} failed: "
+              f"{type(err).__name__}: {err}", file=sys.stderr)
