@@ -20,8 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from slurm.scaling import (ComputeFit, Multiplier, ParamsTokensFit, can_fit_params_tokens,
-                           compute_multiplier, fit_compute_law, fit_params_tokens)
+from slurm.scaling import (
+    ComputeFit,
+    Multiplier,
+    ParamsTokensFit,
+    can_fit_params_tokens,
+    compute_multiplier,
+    fit_compute_law,
+    fit_params_tokens,
+)
 
 FIT_KIND = "scaling_fit"
 

@@ -227,7 +227,6 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
            tracking_uri: str | None = None) -> Sweep:
     """Read a sweep file and expand it into validated runs (nothing is written)."""
     from pretrain.config import ConfigError, validate
-
     from slurm.estimate import estimate_memory
 
     path = Path(path).resolve()
@@ -312,7 +311,7 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                 best_n = math.sqrt(budget / (6 * per_param[0]))
                 c = min(candidates, key=lambda c: abs(math.log(c[4] / best_n)))
                 plan.append((c, budget / (6 * c[4])))
-        for (shape, cfg, model, vocab, n_params), target in plan:
+        for (_shape, cfg, model, vocab, n_params), target in plan:
             tokens_per_step = cfg.train.batch_size * model.seq_len
             steps = max(1, round(target / tokens_per_step))
             run_tokens = steps * tokens_per_step
