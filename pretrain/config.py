@@ -121,6 +121,11 @@ class ParallelSection:
     microbatches: int = 1  # per data-parallel rank per step (= gradient accumulation)
     zero_stage: int = 0
     sequence_parallel: bool = False
+    # Pipeline (docs_pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
+    # per stage in order (null: balanced), and what crosses stage boundaries.
+    virtual_stages: int = 1
+    pp_split: list[int] | None = None
+    pp_transfer: Literal["optimal", "raw"] = "optimal"
 
 
 @dataclass
@@ -187,6 +192,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of " + _type_name(typing.get_args(tp)[0])
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -218,6 +225,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif origin is list:
+        if isinstance(value, list):
+            (item_type,) = typing.get_args(tp)
+            return [_coerce(f"{key}[{n}]", v, item_type) for n, v in enumerate(value)]
     else:
         raise TypeError(f"{key}: unsupported config type {tp!r}")
     raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
@@ -344,6 +355,29 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
+    """Stage count, explicit split and micro-batch count against the pipeline schedule."""
+    from parallel.plan import schedule_problem
+
+    _check(p.virtual_stages >= 1, "parallel.virtual_stages",
+           f"must be >= 1, got {p.virtual_stages}")
+    _check(p.virtual_stages == 1 or p.pp > 1, "parallel.virtual_stages",
+           f"{p.virtual_stages} virtual stages need parallel.pp > 1 (interleaved 1F1B)")
+    stages = p.pp * p.virtual_stages
+    _check(stages <= n_layers, "parallel.virtual_stages" if p.virtual_stages > 1 else "parallel.pp",
+           f"pp x virtual_stages = {p.pp} x {p.virtual_stages} = {stages} stages, more than "
+           f"model.n_layers={n_layers} blocks")
+    if p.pp_split is not None:
+        _check(len(p.pp_split) == stages, "parallel.pp_split",
+               f"{p.pp_split} has {len(p.pp_split)} entries; pp x virtual_stages = {stages}")
+        _check(all(m >= 1 for m in p.pp_split), "parallel.pp_split",
+               f"every stage needs >= 1 block, got {p.pp_split}")
+        _check(sum(p.pp_split) == n_layers, "parallel.pp_split",
+               f"{p.pp_split} sums to {sum(p.pp_split)}, not model.n_layers={n_layers}")
+    problem = schedule_problem(p.pp, p.virtual_stages, p.microbatches)
+    _check(problem is None, "parallel.microbatches", f"{p.microbatches}: {problem}")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError for the first invalid or inconsistent value (world checks if known)."""
     for section_name in SECTIONS:
@@ -400,6 +434,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                " (raise model.vocab_pad_multiple)")
     _check(model.n_layers >= p.pp, "parallel.pp",
            f"pp={p.pp} stages need model.n_layers >= pp, got {model.n_layers}")
+    _check_pipeline(p, model.n_layers)
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage",
            f"must be 0, 1, 2 or 3, got {p.zero_stage}")
     _check(p.zero_stage < 2 or (p.tp == 1 and p.pp == 1), "parallel.zero_stage",

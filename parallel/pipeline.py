@@ -1,0 +1,255 @@
+"""Pipeline-parallel training of a DenseFormer with torch.distributed.pipelining.
+
+`PipelineRunner` is what the trainer calls instead of its micro-batch loop when
+`parallel.pp > 1`. On each pipeline rank it builds the rank's `StageModel` (its blocks; the
+tied embedding on the ranks of the first and last stage; the full alpha matrix), one
+`PipelineStage` per (virtual) stage with every boundary's tensors declared up front, and a
+schedule: 1F1B (`Schedule1F1B`; with fewer micro-batches than stages, `ScheduleGPipe`, which
+is what 1F1B then reduces to), or interleaved 1F1B (`ScheduleInterleaved1F1B`) with
+`parallel.virtual_stages` > 1. What crosses each boundary is parallel/stage_state.py's.
+
+One step (`train_step`): only the first stage reads the tokens and only the last the
+targets; the loss is the mean of the micro-batch means, as in the single-process run (each
+micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
+off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
+exactly one stage) and the tied embedding's gradients over the embedding group (first and
+last stage, as in Megatron). Data-parallel averaging, clipping and the optimizer step stay
+with the trainer.
+
+Pitfalls of torch.distributed.pipelining (2.13) handled here: declared shapes must be
+`requires_grad=True` meta tensors for activations (plain ones fail in backward) and are not
+checked against the real ones; metadata inference from a real micro-batch would run a
+forward and backward that leave gradients behind, so every shape is declared (static mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.plan import build_plan, schedule_name, schedule_problem
+from parallel.stage_model import BOUNDARY_DTYPE, StageModel, StageModule
+from pretrain.model.config import DenseFormerConfig
+from pretrain.model.denseformer import cross_entropy
+
+# Parameters replicated over the pipeline group carry this attribute on every rank but one,
+# so that a global gradient norm counts them once (the tied embedding on the last stage,
+# the alpha matrix off pipeline rank 0).
+PIPELINE_DUPLICATE_ATTR = "pipeline_duplicate"
+
+
+def _meta(shape, dtype=BOUNDARY_DTYPE) -> torch.Tensor:
+    grad = dtype.is_floating_point
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+class PipelineRunner:
+    """This rank's stages, their schedule, and the gradient and state plumbing of PP."""
+
+    def __init__(self, config: DenseFormerConfig, *, microbatches: int, micro_batch: int,
+                 virtual_stages: int = 1, pp_split: list[int] | None = None,
+                 transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
+                 sequence_parallel: bool = False, activation_checkpointing: bool = False):
+        from megatron.core import parallel_state as ps
+        from torch.distributed import pipelining
+
+        self.device = device or torch.device("cpu")
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp, self.pp_rank = self.pp_group.size(), self.pp_group.rank()
+        if self.pp < 2:
+            raise ValueError("PipelineRunner needs a pipeline group of >= 2 ranks")
+        problem = schedule_problem(self.pp, virtual_stages, microbatches)
+        if problem:
+            raise ValueError(problem)
+        self.microbatches, self.micro_batch = microbatches, micro_batch
+        self.plan = build_plan(config, self.pp, virtual_stages, pp_split, transfer)
+        self.local_stages = self.plan.stages_of_rank(self.pp_rank)
+        programs = [self.plan.programs[s] for s in self.local_stages]
+        self.model = StageModel(config, programs, seed=seed,
+                                sequence_parallel=sequence_parallel).to(self.device)
+        self.modules = [StageModule(self.model, p, activation_checkpointing) for p in programs]
+        self.has_first = 0 in self.local_stages
+        self.has_last = self.plan.n_stages - 1 in self.local_stages
+        tp = self.model.tp_size
+        self.seq_shards = tp if self.model.sequence_parallel else 1
+
+        self.embedding_group = None
+        if self.model.embedding is not None:
+            self.embedding_group = ps.get_embedding_group()
+            if not self.has_first:
+                setattr(self.model.embedding.weight, PIPELINE_DUPLICATE_ATTR, True)
+        if self.model.dwa_alpha is not None and self.pp_rank != 0:
+            setattr(self.model.dwa_alpha, PIPELINE_DUPLICATE_ATTR, True)
+        self.model.pp_group = self.pp_group  # the trainer's gradient norm sums over it
+
+        stages = [pipelining.PipelineStage(
+            module, s, self.plan.n_stages, self.device, input_args=self._inputs_meta(s),
+            output_args=self._outputs_meta(s), group=self.pp_group)
+            for s, module in zip(self.local_stages, self.modules, strict=True)]
+        self.schedule_name = schedule_name(self.pp, virtual_stages, microbatches)
+        schedule_class = getattr(pipelining, self.schedule_name)
+        self._micro_losses: list[torch.Tensor] = []
+        self.schedule = schedule_class(stages if virtual_stages > 1 else stages[0],
+                                       microbatches, loss_fn=self._loss, scale_grads=False)
+
+    # -- shapes --------------------------------------------------------------------------
+
+    def _hidden_shape(self, batch: int) -> tuple[int, ...]:
+        cfg = self.model.config
+        if self.model.sequence_parallel:  # (S / TP, B, H)
+            return (cfg.seq_len // self.seq_shards, batch, cfg.d_model)
+        return (batch, cfg.seq_len, cfg.d_model)
+
+    def _inputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
+        cfg = self.model.config
+        if stage == 0:
+            return (_meta((self.micro_batch, cfg.seq_len), torch.long),)
+        n = len(self.plan.programs[stage].incoming)
+        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+
+    def _outputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
+        cfg = self.model.config
+        if stage == self.plan.n_stages - 1:
+            vocab = cfg.padded_vocab_size // self.model.tp_size
+            if self.model.sequence_parallel:
+                return (_meta((cfg.seq_len, self.micro_batch, vocab)),)
+            return (_meta((self.micro_batch, cfg.seq_len, vocab)),)
+        n = len(self.plan.programs[stage].outgoing)
+        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+
+    def describe(self) -> list[str]:
+        """Log lines: schedule, stages, and the tensors and bytes crossing each boundary."""
+        lines = self.plan.describe(self.micro_batch, seq_shards=self.seq_shards)
+        lines[0] += f"; {self.schedule_name}, {self.microbatches} micro-batches of " \
+                    f"{self.micro_batch}"
+        return lines
+
+    # -- training ------------------------------------------------------------------------
+
+    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.model.sequence_parallel:
+            targets = targets.t().contiguous()
+        loss = cross_entropy(local_logits, targets)
+        self._micro_losses.append(loss.detach())
+        return loss / self.microbatches
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch (all micro-batches); returns the sum of
+        the micro-batch mean losses (float64, on every pipeline rank). Gradients accumulate
+        into the StageModel's parameters, reduced over the pipeline (not the DP) group."""
+        self._micro_losses = []
+        args = (tokens,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+        self.reduce_pipeline_grads()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in self._micro_losses:
+            total += loss.double()
+        self._micro_losses = []
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def reduce_pipeline_grads(self) -> None:
+        """Sum the alpha gradients over the pipeline group and the tied embedding's over the
+        first and last stage."""
+        alpha = self.model.dwa_alpha
+        if alpha is not None:
+            if alpha.grad is None:
+                alpha.grad = torch.zeros_like(alpha)
+            dist.all_reduce(alpha.grad, group=self.pp_group)
+        group = self.embedding_group
+        if group is not None and group.size() > 1:
+            weight = self.model.embedding.weight
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=group)
+
+    # -- evaluation (duck-types the model for pretrain.evaluate) -------------------------
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "PipelineRunner":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRunner":
+        return self.train(False)
+
+    @torch.no_grad()
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one batch, forward only, the whole batch through the stages in turn
+        (no micro-batches); the same value on every pipeline rank."""
+        n_stages = self.plan.n_stages
+        result = torch.zeros((), dtype=torch.float64, device=self.device)
+        for s in range(n_stages):
+            if self.plan.rank_of_stage(s) != self.pp_rank:
+                continue
+            module = self.modules[self.local_stages.index(s)]
+            if s == 0:
+                out = module(tokens)
+            else:
+                n = len(self.plan.programs[s].incoming)
+                state = torch.empty((n, *self._hidden_shape(tokens.shape[0])),
+                                    dtype=BOUNDARY_DTYPE, device=self.device)
+                dist.recv(state, group=self.pp_group, group_src=self.plan.rank_of_stage(s - 1))
+                out = module(*state.unbind(0))
+            if s == n_stages - 1:
+                result = self._loss_value(out, targets)
+            else:
+                dist.send(torch.stack(out).contiguous(), group=self.pp_group,
+                          group_dst=self.plan.rank_of_stage(s + 1))
+        dist.all_reduce(result, group=self.pp_group)
+        return result
+
+    def _loss_value(self, local_logits, targets) -> torch.Tensor:
+        if self.model.sequence_parallel:
+            targets = targets.t().contiguous()
+        return cross_entropy(local_logits, targets).double()
+
+    # -- layout-independent state --------------------------------------------------------
+
+    def _gather_to_main(self, local: dict) -> dict:
+        """Merge each pipeline rank's {name: ...} on pipeline rank 0 of TP rank 0 / DP rank 0
+        (global rank 0); elsewhere the local dict comes back."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
+            return local
+        parts = [None] * self.pp if self.pp_rank == 0 else None
+        dist.gather_object(local, parts, group=self.pp_group, group_dst=0)
+        if self.pp_rank != 0:
+            return local
+        merged = {}
+        for part in parts:
+            for name, value in part.items():
+                merged.setdefault(name, value)  # replicated copies are equal
+        return merged
+
+    def full_model_state(self) -> dict:
+        """{name: full tensor} of the whole model on global rank 0 (collective)."""
+        from pretrain.model.state import full_model_state
+
+        return self._gather_to_main(full_model_state(self.model))
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole model's optimizer state by name on global rank 0 (collective)."""
+        from pretrain.model.state import full_optimizer_state
+
+        return self._gather_to_main(full_optimizer_state(self.model, optimizer))
+
+    def load_model_state(self, state: dict) -> None:
+        """Load this rank's parameters from a full (single-process) model state."""
+        from pretrain.model.state import load_full_model_state
+
+        names = dict(self.model.named_parameters())
+        missing = sorted(names.keys() - state.keys())
+        if missing:
+            raise KeyError(f"model state lacks {missing[:5]}")
+        load_full_model_state(self.model, {name: state[name] for name in names})
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from pretrain.model.state import load_full_optimizer_state
+
+        load_full_optimizer_state(self.model, optimizer, state)

@@ -1,0 +1,121 @@
+"""The part of a DenseFormer that one pipeline rank holds, and one module per stage.
+
+`StageModel` builds only the pieces of its rank's stages (blocks, and the embedding on the
+ranks of the first and last stage, tied as in the single-process model), under the
+single-process parameter names (`blocks.{i-1}.…`, `embedding.weight`, `final_norm.weight`,
+`dwa_alpha`), so the layout-independent init (pretrain/model/init.py) and the checkpoint
+state (pretrain/model/state.py) see the same tensors as in `DenseFormer`. Every rank keeps
+the full (d, d + 1) alpha matrix; a stage applies only its entries (parallel/stage_state.py)
+and the pipeline sums the alpha gradients over the pipeline group, so all copies stay equal.
+
+`StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
+that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
+TP rank's vocabulary shard of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel import groups
+from parallel.stage_state import StageProgram, run_program
+from parallel.tensor import mark_sequence_parallel
+from pretrain.model.config import DenseFormerConfig
+from pretrain.model.denseformer import DenseFormer, _mark_tensor_parallel, megatron_config
+from pretrain.model.dwa import dwa_inputs, dwa_mask, initial_alpha
+from pretrain.model.init import init_parameters
+from pretrain.model.layers import Block, RotaryEmbedding, _no_init
+
+BOUNDARY_DTYPE = torch.float32  # parallel.plan.BOUNDARY_DTYPE_BYTES
+
+
+class StageModel(nn.Module):
+    """The parameters of the stages in `programs` (one pipeline rank), single-process names."""
+
+    def __init__(self, config: DenseFormerConfig, programs: list[StageProgram], *,
+                 seed: int = 0, sequence_parallel: bool = False):
+        super().__init__()
+        config.validate()
+        self.config = cfg = config
+        self.programs = list(programs)
+        self.tp_group = groups.tp_group()
+        self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        mp = megatron_config(self.tp_size, self.sequence_parallel)
+        self.embedding = None
+        if any(p.is_first or p.is_last for p in programs):  # the tied LM head needs it too
+            self.embedding = VocabParallelEmbedding(
+                cfg.padded_vocab_size, cfg.d_model, init_method=_no_init, config=mp,
+                reduce_scatter_embeddings=self.sequence_parallel, tp_group=self.tp_group)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
+        self.blocks = nn.ModuleDict({
+            str(i - 1): Block(cfg, mp, self.tp_group, self.rope)
+            for p in programs for i in range(p.first, p.last + 1)})
+        self.final_norm = None
+        if any(p.is_last for p in programs):
+            self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.register_buffer("dwa_pattern", dwa_mask(cfg), persistent=False)
+        self._dwa_rows = dwa_inputs(cfg)
+        self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
+        _mark_tensor_parallel(self)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self)
+        init_parameters(self.named_parameters(), cfg, seed, self.tp_rank, self.tp_size)
+
+    # The single-process model's methods that read only the attributes above.
+    embed = DenseFormer.embed
+    local_logits = DenseFormer.local_logits
+    dwa_matrix = DenseFormer.dwa_matrix
+    load_dwa_matrix = DenseFormer.load_dwa_matrix
+
+    def block(self, i: int) -> Block:
+        """Block i (numbered from 1, as in DESIGN.md)."""
+        return self.blocks[str(i - 1)]
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
+        n = sum(p.numel() for p in self.parameters())
+        if self.dwa_alpha is not None:
+            n -= self.dwa_alpha.numel() - int(self.dwa_pattern.sum())
+        if non_embedding and self.embedding is not None:
+            n -= self.embedding.weight.numel()
+        return n
+
+
+class StageModule(nn.Module):
+    """One (virtual) pipeline stage over a StageModel's parameters."""
+
+    def __init__(self, model: StageModel, program: StageProgram,
+                 activation_checkpointing: bool = False):
+        super().__init__()
+        self.model = model
+        self.program = program
+        self.activation_checkpointing = activation_checkpointing
+
+    def _block_fn(self, i: int):
+        block = self.model.block(i)
+        if not self.activation_checkpointing:
+            return block
+        return lambda y: checkpoint(block, y, use_reentrant=False)
+
+    def forward(self, *received: torch.Tensor):
+        program, model = self.program, self.model
+        x: dict[int, torch.Tensor] = {}
+        sums: dict[int, torch.Tensor] = {}
+        if program.is_first:
+            x[0] = model.embed(received[0])
+        else:
+            for item, tensor in zip(program.incoming, received, strict=True):
+                (x if item.kind == "x" else sums)[item.index] = tensor
+        blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
+        out = run_program(program, model.dwa_alpha, x, sums, blocks)
+        if program.is_last:
+            # (B, S, V / TP), or (S, B, V / TP) under sequence parallelism
+            return model.local_logits(out, seq_first=True)
+        # A tensor passed on unchanged gets its own autograd node, so that the schedule's
+        # backward sees an output distinct from its input.
+        return tuple(t.view_as(t) if any(t is r for r in received) else t.to(BOUNDARY_DTYPE)
+                     for t in out)
