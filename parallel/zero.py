@@ -1,0 +1,419 @@
+"""DeepSpeed ZeRO for the training loop: an engine configured from our config.
+
+    zero = ZeroEngine(model, optimizer, cfg, dtype=torch.float32)   # after groups are up
+    for tokens, targets in micro_batches:
+        zero.backward(zero.loss(tokens, targets))    # scaled by 1 / parallel.microbatches
+    grad_norm = zero.step()                          # DP reduction, clipping, AdamW update
+
+Ours stays the single source of truth: the AdamW parameter groups (`pretrain.optim`:
+DeepSpeed wraps the client optimizer we build), the learning rate (the trainer writes it into
+the param groups every step; DeepSpeed gets no scheduler), gradient clipping (`optim.grad_clip`
+becomes DeepSpeed's `gradient_clipping`, whose default would be 1.0), and the checkpoint
+format (full tensors keyed by parameter name, `pretrain.model.state`): `full_model_state`,
+`full_optimizer_state` and `load_full_state` convert, so a ZeRO-2 run at DP=2 resumes at DP=1
+without ZeRO and back. The DeepSpeed config is built here (`deepspeed_config`), never written
+by hand.
+
+Stages: 0 (DeepSpeed's plain data parallelism), 1 (optimizer state sharded over the DP
+group), 2 (+ gradients), 3 (+ parameters). With TP or PP only stage 1 (config validation
+refuses 2 and 3, as GPT-NeoX does). The model-parallel groups reach DeepSpeed through `mpu`
+(`MegatronMPU`: megatron-core's parallel_state lacks the `get_model_parallel_*` names).
+
+Gradient accumulation is DeepSpeed's "unmanaged" mode: `backward` accumulates locally and
+`step` is the accumulation boundary. Stages 0 and 1 keep plain `.grad` tensors until `step`,
+so the sequence-parallel reduction (`parallel.tensor`) and an external pipeline schedule
+(DESIGN.md section 4: backward outside the engine, gradients already the mean over
+micro-batches, then `step`) need nothing else.
+
+Precision: fp32, or DeepSpeed's bf16 mode (bf16 parameters and gradients, fp32 master
+weights and AdamW moments inside the ZeRO optimizer; non-finite gradients skip the update).
+
+On CPU DeepSpeed JIT-compiles a small communication op the first time (about 40-50 s) into
+TORCH_EXTENSIONS_DIR, which defaults here to `<repo>/.torch_extensions`; build it ahead with
+`python -m parallel.zero --build-ops`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_REPO = Path(__file__).resolve().parent.parent
+if (_REPO / "pyproject.toml").exists():  # a checkout: keep the JIT-built op next to it
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".torch_extensions"))
+
+
+class MegatronMPU:
+    """megatron-core's parallel_state under the names DeepSpeed calls as its `mpu`.
+
+    Data parallel is the DP group; "model parallel" is the TP x PP group (DeepSpeed sums
+    gradient norms over it and counts replicated parameters on tensor-parallel rank 0)."""
+
+    def __init__(self):
+        from megatron.core import parallel_state
+
+        self.state = parallel_state
+
+    def get_data_parallel_group(self):
+        return self.state.get_data_parallel_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.state.get_data_parallel_rank()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(dist.get_process_group_ranks(self.get_data_parallel_group()))
+
+    def get_model_parallel_group(self):
+        return self.state.get_model_parallel_group()
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.get_model_parallel_group())
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.get_model_parallel_group())
+
+    def get_tensor_model_parallel_group(self):
+        return self.state.get_tensor_model_parallel_group()
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.state.get_tensor_model_parallel_world_size()
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.state.get_tensor_model_parallel_rank()
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.state.get_tensor_model_parallel_src_rank()
+
+    def get_pipeline_model_parallel_group(self):
+        return self.state.get_pipeline_model_parallel_group()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.state.get_pipeline_model_parallel_world_size()
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.state.get_pipeline_model_parallel_rank()
+
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+
+
+def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
+    """The DeepSpeed config of a run: batch split, clipping, ZeRO stage, precision.
+
+    `cfg` is our `pretrain.config.Config`; `dp` the data-parallel size."""
+    p, stage = cfg.parallel, cfg.parallel.zero_stage
+    per_rank = cfg.train.batch_size // dp
+    clip = cfg.optim.grad_clip
+    if stage == 0 and dtype == torch.float32:
+        clip = 0.0  # DeepSpeed's stage-0 fp32 path keeps no norm: ZeroEngine clips itself
+    zero = {"stage": stage}
+    if stage == 3:
+        # Parameters smaller than this stay whole on every rank (no all-gather per norm
+        # weight); DeepSpeed's default, stated so the memory estimator can rely on it.
+        zero["stage3_param_persistence_threshold"] = STAGE3_PERSISTENCE_THRESHOLD
+    return {
+        "train_batch_size": cfg.train.batch_size,
+        "train_micro_batch_size_per_gpu": per_rank // p.microbatches,
+        "gradient_accumulation_steps": p.microbatches,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
+        "zero_allow_untested_optimizer": True,  # our torch AdamW with its decay groups
+        "steps_per_print": 2**31 - 1,  # our trainer logs
+        "wall_clock_breakdown": False,
+    }
+
+
+STAGE3_PERSISTENCE_THRESHOLD = 100_000
+
+
+class LossModule(nn.Module):
+    """The module DeepSpeed wraps: forward(tokens, targets) is the model's mean loss.
+
+    Under ZeRO-3 DeepSpeed gathers a module's parameters around that module's forward; the
+    tied LM head reads the embedding weight outside the embedding module and the alphas
+    belong to the root, so those are registered as external parameters of this module."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(tokens, targets)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """As `DenseFormer.loss`, through DeepSpeed's module hooks (for evaluation)."""
+        return self(tokens, targets)
+
+
+def _external_parameters(model: nn.Module) -> list[nn.Parameter]:
+    params = list(model.parameters(recurse=False))
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None:
+        params.append(embedding.weight)
+    return params
+
+
+def _quiet_deepspeed() -> None:
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+class ZeroEngine:
+    """A DeepSpeed engine around `model` and our AdamW `optimizer` (see the module doc)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg,
+                 dtype: torch.dtype = torch.float32):
+        import deepspeed
+
+        _quiet_deepspeed()
+        if "LOCAL_RANK" not in os.environ:
+            if dist.get_world_size() > 1:
+                raise RuntimeError("DeepSpeed needs LOCAL_RANK for a multi-rank world: launch "
+                                   "with torchrun or set it per process")
+            os.environ["LOCAL_RANK"] = "0"  # a 1-process world (plain `python`)
+        self.mpu = MegatronMPU()
+        self.stage = cfg.parallel.zero_stage
+        self.dtype = dtype
+        self.model = model
+        self.module = LossModule(model)
+        self.grad_clip = cfg.optim.grad_clip
+        self.config = deepspeed_config(cfg, self.mpu.get_data_parallel_world_size(), dtype)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.module, optimizer=optimizer, config=self.config, mpu=self.mpu,
+            dist_init_required=False)
+        self.client_optimizer = optimizer  # its param groups now hold DeepSpeed's flat copies
+        if self.stage == 3:
+            from deepspeed.runtime.zero import register_external_parameter
+
+            for param in _external_parameters(model):
+                register_external_parameter(self.module, param)
+        self._stage0_norm = None
+        if self._clips_itself:
+            optimizer.register_step_pre_hook(self._clip_before_update)
+
+    @property
+    def _clips_itself(self) -> bool:
+        """Stage 0 in fp32 runs our torch AdamW directly and DeepSpeed records no norm."""
+        return self.stage == 0 and self.dtype == torch.float32
+
+    # -- one training step ---------------------------------------------------------------
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one micro-batch (forward through the engine)."""
+        return self.engine(tokens, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate this micro-batch's gradients, scaled by 1 / parallel.microbatches."""
+        self.engine.backward(loss)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> float:
+        """Reduce gradients over DP, clip, update; the global gradient norm before clipping.
+
+        A non-finite norm means DeepSpeed skipped the update (weights and AdamW state
+        unchanged); the gradients are cleared either way."""
+        self._stage0_norm = None
+        self.engine.step()
+        norm = self._stage0_norm if self._clips_itself else self.engine.get_global_grad_norm()
+        self.engine.zero_grad()
+        return float(norm) if norm is not None else float("nan")
+
+    def _clip_before_update(self, optimizer, args, kwargs) -> None:
+        """Step pre-hook (stage 0, fp32): after DeepSpeed's all-reduce, before AdamW."""
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        norm = gradient_norm(params, self.mpu)
+        self._stage0_norm = norm.item()
+        if not math.isfinite(self._stage0_norm):
+            for p in params:  # AdamW skips parameters without a gradient: no update
+                p.grad = None
+        elif self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+
+    # -- layout-independent state --------------------------------------------------------
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """{name: full fp32 tensor}, as `pretrain.model.state.full_model_state` (collective:
+        gathered over DP where ZeRO partitions, and over TP)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        from pretrain.model.state import _gather_full
+
+        tp_group = self.mpu.get_tensor_model_parallel_group()
+        state = {}
+        for name, param in self.model.named_parameters():
+            value = safe_get_full_fp32_param(param)
+            if value is None:  # stage 0 in fp32: the parameter is the master copy
+                value = param.detach()
+            state[name] = _gather_full(param, value.float(), tp_group)
+        return state
+
+    def full_optimizer_state(self) -> dict:
+        """AdamW state {name: {"step", "exp_avg", "exp_avg_sq"}} with full tensors, as
+        `pretrain.model.state.full_optimizer_state`; empty before the first update."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        from pretrain.model.state import _gather_full, full_optimizer_state
+
+        if self._clips_itself:
+            return full_optimizer_state(self.model, self.engine.optimizer)
+        step = self._update_count()
+        if step is None:
+            return {}
+        self._link_optimizer_state()
+        tp_group = self.mpu.get_tensor_model_parallel_group()
+        state = {}
+        for name, param in self.model.named_parameters():
+            state[name] = {"step": step.clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = safe_get_full_optimizer_state(param, key)
+                state[name][key] = _gather_full(param, value.float(), tp_group)
+        return state
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
+        """Set parameters (model copy and fp32 master) and AdamW state from full tensors."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from pretrain.model.init import local_shard
+        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
+
+        model = self.model
+        params = dict(model.named_parameters())
+        missing, unexpected = params.keys() - model_state.keys(), model_state.keys() - params.keys()
+        if missing or unexpected:
+            raise KeyError(f"model state mismatch: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+        if self._clips_itself:
+            load_full_model_state(model, model_state)
+            load_full_optimizer_state(model, self.engine.optimizer, optimizer_state)
+            return
+        device = next(iter(params.values())).device
+        for name, param in params.items():
+            shard = local_shard(model_state[name], param, model.tp_rank, model.tp_size)
+            shard = shard.to(device=device, dtype=torch.float32)
+            with self._whole(param):
+                param.data.copy_(shard.view(param.shape).to(param.dtype))
+            safe_set_full_fp32_param(param, shard)
+        if not optimizer_state:
+            return
+        steps = {float(s["step"]) for s in optimizer_state.values()}
+        if len(steps) != 1:
+            raise ValueError(f"optimizer state has different step counts {sorted(steps)}")
+        self._create_optimizer_state(steps.pop())
+        for name, param in params.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = local_shard(optimizer_state[name][key], param, model.tp_rank,
+                                    model.tp_size)
+                safe_set_full_optimizer_state(param, shard.to(device=device,
+                                                              dtype=torch.float32), key)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Every parameter whole on every rank (ZeRO-3 all-gathers; other stages: no-op)."""
+        if self.stage != 3:
+            yield
+            return
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters(list(self.model.parameters())):
+            yield
+
+    def _whole(self, param: nn.Parameter):
+        """Context in which a ZeRO-3 parameter is whole; writes by rank 0 are partitioned."""
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        from deepspeed.runtime.zero import GatheredParameters
+
+        return GatheredParameters([param], modifier_rank=0)
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """DeepSpeed's flat fp32 master partitions, one per group: the tensors the inner
+        AdamW updates (ZeRO-3 puts them into its param groups only while stepping)."""
+        optimizer = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                     "fp32_groups_flat_partition"):
+            flats = getattr(optimizer, attr, None)
+            if flats is not None:
+                return list(flats)
+        raise TypeError(f"unknown DeepSpeed optimizer {type(optimizer).__name__}")
+
+    def _update_count(self) -> torch.Tensor | None:
+        """AdamW's step count (the same in every group), None before the first update."""
+        state = self.engine.optimizer.optimizer.state
+        for flat in self._flat_partitions():
+            if "step" in state.get(flat, {}):
+                return torch.as_tensor(state[flat]["step"]).detach().cpu().float()
+        return None
+
+    def _create_optimizer_state(self, step: float) -> None:
+        """AdamW state for DeepSpeed's flat partitions before any update (values set next)."""
+        state = self.engine.optimizer.optimizer.state
+        for flat in self._flat_partitions():
+            state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
+                           "exp_avg": torch.zeros_like(flat),
+                           "exp_avg_sq": torch.zeros_like(flat)}
+        self._link_optimizer_state()
+
+    def _link_optimizer_state(self) -> None:
+        """Point each parameter's ZeRO-1/2 fragment at the current AdamW state tensors.
+
+        DeepSpeed 0.19.8 links them once, right after the update of the first parameter
+        group, when the other groups have no state yet: with our two weight-decay groups the
+        no-decay group's state would stay unreachable to `safe_get_full_optimizer_state`.
+        tests/test_zero.py checks that this is still needed."""
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "_hp_optimizer_states_linked"):
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def gradient_norm(params: list[torch.Tensor], mpu: MegatronMPU) -> torch.Tensor:
+    """Global L2 norm of the gradients of `params` over the model-parallel group: tensor-
+    parallel shards summed, replicated parameters counted once (on TP rank 0)."""
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+    first_tp_rank = mpu.get_tensor_model_parallel_rank() == 0
+    for p in params:
+        if getattr(p, "tensor_model_parallel", False) or first_tp_rank:
+            total += p.grad.detach().double().square().sum()
+    if mpu.get_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=mpu.get_model_parallel_group())
+    return total.sqrt().float()
+
+
+def build_ops() -> None:
+    """JIT-build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (once)."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        print("no DeepSpeed op to build on this accelerator")
+        return
+    builder.load()
+    print(f"DeepSpeed {builder.NAME} op ready in {os.environ.get('TORCH_EXTENSIONS_DIR')}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m parallel.zero")
+    parser.add_argument("--build-ops", action="store_true",
+                        help="JIT-build DeepSpeed's CPU op into TORCH_EXTENSIONS_DIR and exit")
+    if parser.parse_args().build_ops:
+        build_ops()
