@@ -48,10 +48,11 @@ class Layout:
     dp_rank: int
     dp_group: object
     device: torch.device
+    pp: int = 1
 
     @property
     def name(self) -> str:
-        return f"tp{self.tp}-pp1-dp{self.dp}"  # as Config.layout_tag
+        return f"tp{self.tp}-pp{self.pp}-dp{self.dp}"  # as Config.layout_tag
 
     @property
     def is_main(self) -> bool:
@@ -62,8 +63,6 @@ def setup_layout(cfg: Config) -> Layout:
     """Initialise process groups for the configured layout (world size from the launcher)."""
     from megatron.core import parallel_state
 
-    if cfg.parallel.pp > 1:
-        raise ConfigError("parallel.pp", "pipeline parallelism is not available yet; use pp=1")
     if cfg.parallel.zero_stage:
         raise ConfigError("parallel.zero_stage", "ZeRO is not available yet; use zero_stage=0")
     device = groups.default_device()
@@ -78,7 +77,8 @@ def setup_layout(cfg: Config) -> Layout:
                   tp_group=parallel_state.get_tensor_model_parallel_group(),
                   dp=parallel_state.get_data_parallel_world_size(),
                   dp_rank=parallel_state.get_data_parallel_rank(),
-                  dp_group=parallel_state.get_data_parallel_group(), device=device)
+                  dp_group=parallel_state.get_data_parallel_group(), device=device,
+                  pp=cfg.parallel.pp)
 
 
 def resolve_run_dir(cfg: Config, layout: Layout) -> Path:
@@ -106,11 +106,12 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 def gradient_norm(model, layout: Layout) -> torch.Tensor:
     """Global L2 norm of the gradients: TP-sharded tensors summed over the TP group,
-    replicated ones counted once."""
+    replicated ones counted once; under PP, summed over the stages (copies that the pipeline
+    marks as duplicates, such as the tied embedding on the last stage, counted once)."""
     sharded = torch.zeros((), dtype=torch.float64, device=layout.device)
     replicated = torch.zeros((), dtype=torch.float64, device=layout.device)
     for p in model.parameters():
-        if p.grad is None:
+        if p.grad is None or getattr(p, "pipeline_duplicate", False):
             continue
         sq = p.grad.detach().double().square().sum()
         if getattr(p, "tensor_model_parallel", False):
@@ -119,7 +120,10 @@ def gradient_norm(model, layout: Layout) -> torch.Tensor:
             replicated += sq
     if layout.tp > 1:
         dist.all_reduce(sharded, group=layout.tp_group)
-    return (sharded + replicated).sqrt()
+    total = sharded + replicated
+    if layout.pp > 1:
+        dist.all_reduce(total, group=model.pp_group)
+    return total.sqrt()
 
 
 def average_gradients(model, layout: Layout) -> None:
@@ -166,11 +170,23 @@ class Trainer:
         self.resume_from = self._checkpoint_to_resume(checkpoint)
 
         self.dtype = compute_dtype(cfg, layout.device)
-        self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed,
-                                 sequence_parallel=cfg.parallel.sequence_parallel
-                                 ).to(layout.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.local_batch = cfg.train.batch_size // layout.dp
+        self.pipeline = None  # parallel.pipeline.PipelineRunner when pp > 1
+        if layout.pp > 1:
+            from parallel.pipeline import PipelineRunner
+
+            p = cfg.parallel
+            self.pipeline = PipelineRunner(
+                self.model_cfg, microbatches=p.microbatches,
+                micro_batch=self.local_batch // p.microbatches, virtual_stages=p.virtual_stages,
+                pp_split=p.pp_split, transfer=p.pp_transfer, seed=cfg.train.seed,
+                device=layout.device, sequence_parallel=p.sequence_parallel)
+            self.model = self.pipeline.model  # this rank's stages
+        else:
+            self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed,
+                                     sequence_parallel=cfg.parallel.sequence_parallel
+                                     ).to(layout.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
                                   dp_rank=layout.dp_rank, dp_size=layout.dp, seed=cfg.train.seed,
                                   num_workers=cfg.data.num_workers)
@@ -200,8 +216,12 @@ class Trainer:
         from pretrain.model.state import load_full_model_state, load_full_optimizer_state
 
         meta = state["meta"]
-        load_full_model_state(self.model, state["model"])
-        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.pipeline is not None:
+            self.pipeline.load_model_state(state["model"])
+            self.pipeline.load_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            load_full_model_state(self.model, state["model"])
+            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.loader.load_state_dict(meta["loader"])
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
@@ -211,8 +231,12 @@ class Trainer:
         from pretrain import checkpoint
         from pretrain.model.state import full_model_state, full_optimizer_state
 
-        model_state = full_model_state(self.model)
-        optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        if self.pipeline is not None:  # every stage's tensors, merged on rank 0
+            model_state = self.pipeline.full_model_state()
+            optimizer_state = self.pipeline.full_optimizer_state(self.optimizer)
+        else:
+            model_state = full_model_state(self.model)
+            optimizer_state = full_optimizer_state(self.model, self.optimizer)
         path = None
         if self.layout.is_main:
             meta = {"step": self.step, "loader": self.loader.state_dict(),
@@ -259,11 +283,15 @@ class Trainer:
         seq = self.model_cfg.seq_len
         loss_sum = torch.zeros((), dtype=torch.float64, device=layout.device)
         micro = cfg.parallel.microbatches
-        for part in batch.chunk(micro):
+        if self.pipeline is not None:  # the schedule runs the micro-batches
             with autocast_for(layout.device, self.dtype):
-                loss = self.model.loss(part[:, :seq], part[:, 1: seq + 1])
-            (loss / micro).backward()
-            loss_sum += loss.detach().double()
+                loss_sum += self.pipeline.train_step(batch[:, :seq], batch[:, 1: seq + 1])
+        else:
+            for part in batch.chunk(micro):
+                with autocast_for(layout.device, self.dtype):
+                    loss = self.model.loss(part[:, :seq], part[:, 1: seq + 1])
+                (loss / micro).backward()
+                loss_sum += loss.detach().double()
         allreduce_sequence_parallel_grads(self.model, layout.tp_group)
         average_gradients(self.model, layout)
         if layout.dp > 1:
@@ -326,6 +354,8 @@ def run_training(cfg: Config) -> int:
         f"device {layout.device}, {trainer.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s"
         + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
            if trainer.resume_from else "")))
+    if trainer.pipeline is not None:
+        _print_main(layout, *trainer.pipeline.describe())
 
     status, finish = 0, "FINISHED"
     progress = tqdm(total=stop_at, initial=trainer.step, disable=not main, desc="train",
@@ -398,7 +428,8 @@ def _latest(trainer: Trainer):
 
 def _validate(trainer: Trainer, metrics, tracker) -> None:
     cfg, layout = trainer.cfg, trainer.layout
-    result = evaluate(trainer.model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
+    model = trainer.pipeline or trainer.model  # the runner evaluates through the stages
+    result = evaluate(model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
                       dp_size=layout.dp, dp_group=layout.dp_group,
                       max_batches=cfg.data.val_batches, device=layout.device,
                       dtype=trainer.dtype)

@@ -1,0 +1,47 @@
+"""`torchrun ... -m pretrain train --set parallel.pp=2` equals the 1-process run, and its
+checkpoints load at another pipeline size (and back)."""
+
+import json
+import sys
+
+import pytest
+
+from tests.test_train import losses, run, train_cmd
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+
+
+def records(run_dir) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+@pytest.mark.timeout(600)
+def test_cli_pp2_matches_pp1_and_checkpoints_load_across_pipeline_sizes(tiny_data, tmp_path):
+    common = ["train.steps=6", "model.n_layers=3", "parallel.microbatches=2",
+              "tracking.enabled=false", "train.eval_every=6"]
+    one = run(train_cmd(tiny_data, tmp_path / "pp1", *common))
+    assert one.returncode == 0, one.stderr
+
+    mixed = tmp_path / "mixed"  # steps 1-3 at PP=2, 4 at PP=1, 5-6 at PP=2 again
+    segments = [(2, ["parallel.pp=2", "train.stop_at=3"]),
+                (1, ["train.resume=auto", "train.stop_at=4"]),
+                (2, ["parallel.pp=2", "parallel.pp_transfer=raw", "train.resume=auto"])]
+    for n, extra in segments:
+        cmd = train_cmd(tiny_data, mixed, *common, *extra)
+        result = run([*TORCHRUN, str(n), *cmd[1:]] if n > 1 else cmd)
+        assert result.returncode == 0, result.stderr
+        if n > 1:
+            assert "pipeline: 2 ranks" in result.stderr and "after block" in result.stderr
+    meta = json.loads(next((mixed / "checkpoints").glob("step-00000006/meta.json")).read_text())
+    assert meta["layout"] == "tp1-pp2-dp1"
+
+    a, b = records(tmp_path / "pp1"), records(mixed)
+    assert a.keys() == b.keys() == set(range(1, 7))
+    for step in a:
+        assert abs(a[step]["loss"] - b[step]["loss"]) < 1e-4, (step, a[step], b[step])
+        assert abs(a[step]["grad_norm"] - b[step]["grad_norm"]) < 1e-4 * a[step]["grad_norm"]
+    val = [json.loads(x)["val_loss"] for run_dir in (tmp_path / "pp1", mixed)
+           for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert len(val) == 2 and abs(val[0] - val[1]) < 1e-4
+    assert losses(mixed) == {s: r["loss"] for s, r in b.items()}
