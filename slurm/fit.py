@@ -87,6 +87,7 @@ def load_points(client, experiment: str, metric: str = "val_loss",
 
 
 def fit_architectures(points: list[Point]) -> dict[str, ArchitectureFit]:
+    """Per architecture: the compute law (2+ compute values) and L(N, D) if the grid allows."""
     fits = {}
     for arch in sorted({p.architecture for p in points}):
         own = [p for p in points if p.architecture == arch]
@@ -111,6 +112,7 @@ def fit_architectures(points: list[Point]) -> dict[str, ArchitectureFit]:
 
 def multipliers(fits: dict[str, ArchitectureFit], baseline: str,
                 budgets: list[float]) -> dict[str, list[Multiplier]]:
+    """Compute multipliers of every other architecture over `baseline` at `budgets`."""
     base = fits.get(baseline)
     if base is None or base.compute_law is None:
         return {}
@@ -124,6 +126,7 @@ def _pm(value: float, error: float) -> str:
 
 def format_report(fits: dict[str, ArchitectureFit], mults: dict[str, list[Multiplier]],
                   baseline: str) -> str:
+    """The printed report: coefficients with standard errors, then the multipliers."""
     lines = []
     for arch, fit in fits.items():
         lines.append(f"{arch} ({len(fit.points)} runs)")
@@ -197,6 +200,7 @@ def plot_compute(fits: dict[str, ArchitectureFit], out_png: Path, only: str | No
 
 
 def cmd_fit(args) -> int:
+    """`python -m slurm fit`: pull, fit, print, plot, log to MLflow."""
     import os
 
     from slurm.sweep import mlflow_client
@@ -273,6 +277,7 @@ def log_fit(client, experiment: str, out: Path, fits: dict[str, ArchitectureFit]
 
 
 def add_arguments(parser) -> None:
+    """The options of `python -m slurm fit`."""
     parser.add_argument("--experiment", required=True, help="MLflow experiment of the sweep")
     parser.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI)")
     parser.add_argument("--baseline", default="transformer",

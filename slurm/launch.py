@@ -58,6 +58,7 @@ class Rendezvous:
 
     @property
     def endpoint(self) -> str:
+        """host:port of the c10d store (or MASTER_ADDR:MASTER_PORT in srun mode)."""
         return f"{self.host}:{self.port}"
 
 
@@ -205,6 +206,7 @@ class SignalForwarder:
                 pass
 
     def worker_pids(self) -> list[int]:
+        """PIDs of this node's live ranks, from their PID files."""
         pids = []
         for path in self.launch_dir.glob("rank-*.pid"):
             try:
@@ -324,6 +326,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m slurm launch`."""
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="training config (YAML)")
     what.add_argument("--sweep", help="a sweep directory: train the run of SLURM_ARRAY_TASK_ID")

@@ -182,6 +182,8 @@ cmd_start() {
         slurmd -f "$CONF" || { show_logs >&2; die "slurmd failed to start"; }
     fi
     wait_for 30 "the node" node_ready
+    getent hosts "$(hostname -s)" >/dev/null 2>&1 || say "warning: the host name \
+$(hostname -s) does not resolve; jobs that rendezvous on it need DENSEFORMER_RDZV_HOST=127.0.0.1"
     # A node left DOWN/DRAINED by an earlier unclean stop comes back.
     SLURM_CONF="$CONF" scontrol update NodeName="$(hostname -s)" State=RESUME >/dev/null 2>&1 || true
     say "running (state in $STATE); use it with:"

@@ -39,6 +39,7 @@ class ComputeFit:
         return float(np.exp(self.log_a))
 
     def loss(self, compute):
+        """L at `compute` (scalar or array)."""
         return np.exp(self.log_a - self.alpha * np.log(compute))
 
     def compute_for(self, loss):
@@ -90,6 +91,7 @@ class ParamsTokensFit:
     rmse_log: float
 
     def loss(self, n, d):
+        """L at N = n parameters and D = d tokens."""
         return self.E + self.A / np.power(n, self.a) + self.B / np.power(d, self.b)
 
 

@@ -79,6 +79,7 @@ def sbatch_command(sweep: Sweep, out: Path) -> list[str]:
 
 
 def manifest_of(sweep: Sweep) -> dict:
+    """The sweep.json content: the runs, their configs, run dirs, N, D, C and tags."""
     return {
         "format": 1, "sweep": sweep.name, "source": str(sweep.path), "base": str(sweep.base),
         "experiment": sweep.experiment, "tracking_uri": sweep.tracking_uri,
@@ -163,6 +164,7 @@ def submit(sweep: Sweep) -> str:
 
 
 def cmd_sweep(args) -> int:
+    """`python -m slurm sweep`: print the table, then submit unless --dry-run."""
     from slurm.sweep_spec import expand
 
     try:

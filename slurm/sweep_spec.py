@@ -147,6 +147,7 @@ def parse_architecture(item: Any) -> Architecture:
 
 
 def parse_shapes(grid: dict) -> list[dict[str, Any]]:
+    """grid.shape, or the product of grid.depth and grid.width (heads from head_dim)."""
     if "shape" in grid:
         if {"depth", "width"} & set(grid):
             raise SweepError("grid: give either shape or depth x width, not both")
@@ -180,6 +181,7 @@ def _si(value: float) -> str:
 
 
 def load_sweep_file(path: str | Path) -> dict:
+    """The mapping in a sweep file (floats like 3.0e18 read as numbers); top keys checked."""
     path = Path(path)
     try:
         data = yaml.load(path.read_text(), Loader=_Loader)

@@ -40,6 +40,7 @@ class EarlySignals:
                 self.pending.append(signum)
 
     def install(self) -> None:
+        """Handle the stop signals now; a thread re-sends them once the trainer listens."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         threading.Thread(target=self._redeliver, name="early-signals", daemon=True).start()

@@ -175,30 +175,45 @@ def wait_for_job(conf: Path, job: str, timeout: float) -> None:
         time.sleep(1)
 
 
-def sbatch_training(conf: Path, data: Path, run_dir: Path, log_dir: Path, *extra: str) -> str:
+def sbatch_training(conf: Path, data: Path, run_dir: Path, log_dir: Path, *extra: str,
+                    mode: str = "torchrun") -> str:
+    """Submit train.sbatch for 2 ranks: one task running torchrun, or two srun tasks."""
+    layout = ["--cpus-per-task=2"] if mode == "torchrun" else ["--ntasks-per-node=2"]
     out = subprocess.run(
-        ["sbatch", "--parsable", "--cpus-per-task=2", f"--output={log_dir}/%x-%j.out",
+        ["sbatch", "--parsable", *layout, f"--output={log_dir}/%x-%j.out",
          str(ROOT / "slurm/train.sbatch"), str(ROOT / "configs/tiny.yaml"),
          *sets(*TINY, f"data.path={data}", f"run.dir={run_dir}", *extra)],
-        env=slurm_env(conf, DENSEFORMER_NPROC_PER_NODE="2"), cwd=ROOT, capture_output=True,
-        text=True, timeout=60)
+        env=slurm_env(conf, DENSEFORMER_NPROC_PER_NODE="2", DENSEFORMER_LAUNCHER=mode),
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
 
 @pytest.mark.timeout(300)
-def test_sbatch_two_ranks_matches_the_direct_run(cluster, tiny_data, tmp_path, reference):
+@pytest.mark.parametrize("mode", ["torchrun", "srun"])
+def test_sbatch_two_ranks_matches_the_direct_run(cluster, tiny_data, tmp_path, reference, mode):
     run_dir = tmp_path / "run"
     job = sbatch_training(cluster, tiny_data, run_dir, tmp_path, f"train.stop_at={STOP_AT}",
-                          "tracking.enabled=false")
+                          "tracking.enabled=false", mode=mode)
     wait_for_job(cluster, job, 240)
     log = (tmp_path / f"denseformer-{job}.out").read_text()
     assert job_field(cluster, job, "JobState") == "COMPLETED", log[-3000:]
     assert job_field(cluster, job, "ExitCode") == "0:0"
-    assert "2 ranks per node" in log and "training exited with status 0" in log
+    assert ("2 ranks per node" if mode == "torchrun" else "rank 1 of 2") in log
+    assert "training exited with status 0" in log
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STOP_AT + 1))
     assert got == pytest.approx({s: reference[s] for s in got}, abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_sbatch_exit_status_reflects_a_bad_config(cluster, tiny_data, tmp_path):
+    job = sbatch_training(cluster, tiny_data, tmp_path / "run", tmp_path, "model.n_heads=3")
+    wait_for_job(cluster, job, 100)
+    log = (tmp_path / f"denseformer-{job}.out").read_text()
+    assert job_field(cluster, job, "JobState") == "FAILED", log
+    assert job_field(cluster, job, "ExitCode") == "2:0"
+    assert "model.n_heads" in log and "requeue" not in log
 
 
 @pytest.mark.timeout(300)
@@ -255,6 +270,9 @@ def test_preempted_job_requeues_and_resumes_to_the_same_result(cluster, tiny_dat
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     slurm(cluster, "scancel", "--signal=USR1", "--batch", job)
+    # A second signal while the first is being handled (maybe while saving) changes nothing.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env(cluster),
+                   capture_output=True, timeout=60)
     wait_for_job(cluster, job, 300)
     log = (tmp_path / f"denseformer-{job}.out").read_text()
     assert job_field(cluster, job, "JobState") == "COMPLETED", log[-3000:]

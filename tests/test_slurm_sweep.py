@@ -237,7 +237,7 @@ def test_fits_recover_known_exponents_within_5_percent():
 
 
 @pytest.mark.timeout(200)
-def test_fit_command_on_a_synthetic_store(tmp_path):
+def test_fit_command_on_a_synthetic_store(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -255,16 +255,17 @@ def test_fit_command_on_a_synthetic_store(tmp_path):
                     "C": str(6 * n * d), "sweep_id": "syn"})
                 client.log_metric(run.info.run_id, "val_loss", float(loss), step=10)
                 client.set_terminated(run.info.run_id, "FINISHED")
-    unfinished = client.create_run(experiment, tags={"architecture": "transformer", "N": "1",
+    client.create_run(experiment, tags={"architecture": "transformer", "N": "1",
                                                      "D": "1", "C": "6"})
-    done = subprocess.run(
-        [sys.executable, "-m", "slurm", "fit", "--experiment", "synthetic", "--tracking-uri",
-         uri, "--out", str(tmp_path / "fit"), "--budgets", "1e15,1e17"],
-        env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert "L(N, D) = E + A/N^a + B/D^b" in done.stdout
-    assert "denseformer-1x1 at C = 1e+15" in done.stdout
-    assert f"{unfinished.info.run_id}" in done.stderr or "status RUNNING" in done.stderr
+    from slurm.__main__ import main
+
+    status = main(["fit", "--experiment", "synthetic", "--tracking-uri", uri, "--out",
+                   str(tmp_path / "fit"), "--budgets", "1e15,1e17"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "L(N, D) = E + A/N^a + B/D^b" in out
+    assert "denseformer-1x1 at C = 1e+15" in out
+    assert "status RUNNING" in err  # the unfinished run is skipped, and said so
     for name in ("loss_vs_compute.png", "loss_vs_compute_transformer.png",
                  "loss_vs_compute_denseformer-1x1.png", "fit.json"):
         assert (tmp_path / "fit" / name).stat().st_size > 500
@@ -274,7 +275,5 @@ def test_fit_command_on_a_synthetic_store(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(fits[0].info.run_id, "scaling_fit")}
     assert "scaling_fit/loss_vs_compute.png" in artifacts
 
-    missing = subprocess.run([sys.executable, "-m", "slurm", "fit", "--experiment", "nope",
-                              "--tracking-uri", uri], env=cli_env(), cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "no experiment named 'nope'" in missing.stderr
+    assert main(["fit", "--experiment", "nope", "--tracking-uri", uri]) == 2
+    assert "no experiment named 'nope'" in capsys.readouterr().err
