@@ -191,10 +191,10 @@ $(hostname -s) does not resolve; jobs that rendezvous on it need DENSEFORMER_RDZ
 }
 
 stop_daemon() {
-    local daemon="$1" pid i
+    local daemon="$1" pid
     pid="$(running_pid "$daemon")" || { rm -f "$(pid_file "$daemon")"; return 0; }
     kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 1 50); do
+    for _ in $(seq 1 50); do
         [ -d "/proc/$pid" ] || break
         sleep 0.2
     done
