@@ -119,8 +119,9 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
         clip = 0.0  # DeepSpeed's stage-0 fp32 path keeps no norm: ZeroEngine clips itself
     zero = {"stage": stage}
     if stage == 3:
-        # Parameters smaller than this stay whole on every rank (no all-gather per norm
-        # weight); DeepSpeed's default, stated so the memory estimator can rely on it.
+        # Every parameter is partitioned, the small norm weights and alphas too (DeepSpeed's
+        # default keeps tensors under 1e5 elements whole on every rank): what each rank holds
+        # is then exactly 1/DP of each tensor, as parallel/memory.py counts it.
         zero["stage3_param_persistence_threshold"] = STAGE3_PERSISTENCE_THRESHOLD
     return {
         "train_batch_size": cfg.train.batch_size,
@@ -136,7 +137,7 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
     }
 
 
-STAGE3_PERSISTENCE_THRESHOLD = 100_000
+STAGE3_PERSISTENCE_THRESHOLD = 0
 
 
 class LossModule(nn.Module):

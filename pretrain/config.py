@@ -126,6 +126,10 @@ class ParallelSection:
     virtual_stages: int = 1
     pp_split: list[int] | None = None
     pp_transfer: Literal["optimal", "raw"] = "optimal"
+    # Activation checkpointing (parallel/checkpointing.py): recompute units of
+    # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
+    activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
+    checkpoint_every: int = 1
 
 
 @dataclass
@@ -441,6 +445,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"ZeRO-{p.zero_stage} is refused with tp={p.tp}, pp={p.pp}: GPT-NeoX/DeepSpeed only "
            "support ZeRO-1 with model parallelism (with PP, ZeRO-2's gradient hooks fire once "
            "per micro-batch); use zero_stage 0 or 1")
+    _check(1 <= p.checkpoint_every <= model.n_layers, "parallel.checkpoint_every",
+           f"must be in [1, model.n_layers={model.n_layers}] blocks, got {p.checkpoint_every}")
+    _check(p.pp == 1 or (p.activation_checkpointing in ("none", "block")
+                         and p.checkpoint_every == 1), "parallel.activation_checkpointing",
+           f"{p.activation_checkpointing} (every {p.checkpoint_every}) is not available with "
+           f"pp={p.pp}: pipeline stages checkpoint single blocks; use block with "
+           "checkpoint_every=1, or none")
     if p.sequence_parallel:
         _check(p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1, got tp=1")
         _check(model.seq_len % p.tp == 0, "parallel.sequence_parallel",

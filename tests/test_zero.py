@@ -4,7 +4,8 @@ The reference is computed in this test process: one rank, the whole global batch
 trainer's recipe (loss / micro-batches, global-norm clipping, torch AdamW with our decay
 groups). The ranks run the same 3 steps through `ZeroEngine` on their data-parallel slice.
 Tolerances (fp32): every parameter tensor and AdamW moment 1e-5 relative, the gradient norm
-of every step 1e-5 relative. Adam hides gradient scale errors (it is scale-invariant), so
+of every step 1e-5 relative. Activation checkpointing modes run here too (ZeRO-2, ZeRO-3,
+TP + SP): the same numbers. Adam hides gradient scale errors (it is scale-invariant), so
 each layout also runs with eps = 10, where an update is proportional to the gradient, and
 with the norms compared step by step: a missing or doubled 1/DP shows up in both.
 """
@@ -50,8 +51,12 @@ def build(cfg):
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
 
+    from parallel.checkpointing import apply_activation_checkpointing
+
+    p = cfg.parallel
     model = DenseFormer(cfg.model.build_config(), seed=cfg.train.seed,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+                        sequence_parallel=p.sequence_parallel)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
     return model, build_optimizer(model, cfg.optim)
 
 
@@ -191,6 +196,9 @@ def pure_dp_cases():
         out[f"stage{stage}"] = zero_run(stage)
         out[f"stage{stage}-eps"] = zero_run(stage, tuple(GRADIENT_SENSITIVE))
     out["stage1-external"] = zero_run(1, external=True)
+    for stage, mode, every in ((2, "block", 1), (3, "dwa_block", 2)):
+        out[f"stage{stage}-{mode}"] = zero_run(stage, (
+            f"parallel.activation_checkpointing={mode}", f"parallel.checkpoint_every={every}"))
     for stage in (1, 2, 3):
         out[f"stage{stage}-resumed"] = zero_resumed_run(stage)
     for stage in (1, 2, 3):
@@ -203,7 +211,11 @@ def tp_dp_cases():
     return {"stage1": zero_run(1, tp),
             "stage1-eps": zero_run(1, (*tp, *GRADIENT_SENSITIVE)),
             "stage1-sp": zero_run(1, (*tp, "parallel.sequence_parallel=true")),
-            "stage1-external": zero_run(1, tp, external=True)}
+            "stage1-external": zero_run(1, tp, external=True),
+            "stage1-sp-dwa_block": zero_run(1, (*tp, "parallel.sequence_parallel=true",
+                                                "parallel.activation_checkpointing=dwa_block")),
+            "stage1-block-every2": zero_run(1, (*tp, "parallel.activation_checkpointing=block",
+                                                "parallel.checkpoint_every=2"))}
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +265,8 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
             assert_close(got, reference_eps, f"ZeRO-{stage} eps=10")
             assert_deltas_close(got, reference_eps, initial_params, f"ZeRO-{stage} eps=10")
         assert_close(rank_result["stage1-external"], reference, "ZeRO-1 external backward")
+        assert_close(rank_result["stage2-block"], reference, "ZeRO-2, block checkpointing")
+        assert_close(rank_result["stage3-dwa_block"], reference, "ZeRO-3, dwa_block every 2")
         for stage in (1, 2, 3):
             norms, params, state = rank_result[f"stage{stage}-resumed"]
             assert_close((norms, params, state), (reference[0][2:], *reference[1:]),
@@ -275,3 +289,5 @@ def test_zero1_with_tensor_parallel_tp2_dp2(reference, reference_eps, initial_pa
                             "ZeRO-1 TP=2 DP=2 eps=10")
         assert_close(rank_result["stage1-sp"], reference, "ZeRO-1 TP=2 DP=2 SP")
         assert_close(rank_result["stage1-external"], reference, "ZeRO-1 TP=2 external")
+        assert_close(rank_result["stage1-sp-dwa_block"], reference, "ZeRO-1 TP=2 SP dwa_block")
+        assert_close(rank_result["stage1-block-every2"], reference, "ZeRO-1 TP=2 block x2")

@@ -89,6 +89,9 @@ class DenseFormer(nn.Module):
         self._dwa_rows = self.dwa_plan.inputs
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
+        # Set by parallel.checkpointing.apply_activation_checkpointing: run_blocks then runs
+        # the blocks (and DWAs) in checkpointed units.
+        self.activation_checkpointing = None
         _mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
@@ -111,6 +114,8 @@ class DenseFormer(nn.Module):
         the buffered one (default in eager mode); both compute the same function."""
         if functional is None:
             functional = torch.compiler.is_compiling()
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing.run_blocks(self, x0, functional)
         plan = self.dwa_plan
         buffers = None if functional or not plan.slot else DWABuffers(plan.class_sizes, x0)
         kept = {}  # j -> X_j, for the X_j that a later DWA reads

@@ -1,0 +1,390 @@
+"""Memory per rank from the config alone: parameters, gradients, optimizer state, activations.
+
+    python -m parallel.memory --config FILE [--set key=value ...] [--world-size N] [--json]
+
+Pure arithmetic (no model is built, torch is not imported unless pp > 1), fast for the paper
+shapes. For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
+
+- parameters, gradients and AdamW state after ZeRO partitioning (parallel/zero.py). Without
+  ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
+  ZeRO (DeepSpeed): parameters and gradients in the training dtype, plus an fp32 master copy
+  and the two moments, 12 bytes per element of this rank's partition. Stages 1 and 2
+  partition each weight-decay group's flat buffer (padded to a multiple of 2 x DP elements);
+  stage 2 also the gradients; stage 3 also the parameters (each tensor split into DP pieces).
+- activations of the micro-batches in flight (one without PP; min(PP - s, M) on pipeline
+  stage s under 1F1B), per activation-checkpointing mode (parallel/checkpointing.py):
+  the stored X_j (the DWA buffers), checkpoint boundaries (unit inputs), every block's
+  internals when nothing is recomputed, the LM head (the logits' softmax is often the
+  largest single tensor), received cross-stage tensors under PP, and one unit's recompute
+  working set.
+
+A block keeps (10 + 2 r) hidden-size tensors when it is not checkpointed (r = mlp_ratio):
+its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qkv output
+(3, v is a view of it), the attention output, the MLP's up-projection and GELU outputs
+(r each); under TP everything but the LayerNorm region is split; under sequence parallelism
+that region too. Plus LayerNorm statistics and the attention log-sum-exp. The LM head keeps
+Y_d, the normed Y_d and the softmax (B x S x V / TP, fp32). Checked against autograd
+(parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. bf16 is modelled, not
+measured here: under autocast the residual stream, LayerNorm inputs and the softmax stay
+fp32 and the matmul operands are bf16; with DeepSpeed's bf16 everything but the softmax is.
+
+JSON (`--json`, stdout holds only the document):
+    {"ranks": [{"rank": r, "tp_rank": t, "pp_rank": s, "dp_rank": q, "params_bytes": ..,
+                "grads_bytes": .., "optimizer_bytes": .., "activation_bytes": ..,
+                "total_bytes": ..}, ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor."""
+
+    param: int  # model parameters (and their gradients)
+    stream: int  # residual stream: X_j, Y_i, block inputs, LayerNorm inputs
+    matmul: int  # matmul operands and outputs, attention, MLP activations
+
+    @classmethod
+    def of(cls, dtype: str, zero_stage: int) -> "Precision":
+        if dtype == "fp32":
+            return cls(FP32, FP32, FP32)
+        if zero_stage > 0:  # DeepSpeed's bf16: the module itself is bf16
+            return cls(2, 2, 2)
+        return cls(FP32, FP32, 2)  # autocast
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    activations: dict[str, int] = field(default_factory=dict)  # breakdown, for the text
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + \
+            self.activation_bytes
+
+    def as_json(self) -> dict:
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+                "dp_rank": self.dp_rank, "params_bytes": self.params_bytes,
+                "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
+                "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes}
+
+    def dominant(self) -> tuple[str, float]:
+        terms = {"parameters": self.params_bytes, "gradients": self.grads_bytes,
+                 "optimizer state": self.optimizer_bytes, "activations": self.activation_bytes}
+        name = max(terms, key=terms.get)
+        return name, terms[name] / max(1, self.total_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DWA pattern (pure Python; pretrain/model/dwa.py builds the same from torch tensors)
+
+
+def dwa_reads(model) -> dict[int, list[int]]:
+    """For each block i with a DWA, the j of the X_j it reads (S_i, DESIGN.md section 2)."""
+    d, k, p = model.n_layers, model.dwa_dilation, model.dwa_period
+    if not model.dwa:
+        return {}
+    low = (lambda i: 0) if model.dwa_window is None else (lambda i: i - model.dwa_window + 1)
+    return {i: [j for j in range(i % k, i + 1, k) if j >= low(i)] for i in range(p, d + 1, p)}
+
+
+def stored_outputs(model) -> set[int]:
+    """The X_j that some DWA reads: what the DWA buffers hold."""
+    return {j for js in dwa_reads(model).values() for j in js}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer state
+
+
+def local_parameters(model, tp: int, blocks: range, first: bool, last: bool,
+                     decay_alphas: bool) -> dict[str, list[int]]:
+    """Element counts of this rank's parameter tensors, by AdamW group ("decay" /
+    "no_decay", as pretrain.optim.param_groups), in the model's parameter order."""
+    h, r = model.d_model, model.mlp_ratio
+    padded = math.ceil(model.vocab_size / model.vocab_pad_multiple) * model.vocab_pad_multiple
+    decay, no_decay = [], []
+    if model.dwa and dwa_reads(model):
+        d = model.n_layers
+        (decay if decay_alphas else no_decay).append(d * (d + 1))  # the full alpha matrix
+    if first or last:
+        decay.append(padded * h // tp)  # embedding (tied LM head)
+    for _ in blocks:
+        no_decay.append(h)  # norm_attn
+        decay.extend([3 * h * h // tp, h * h // tp])  # qkv, proj
+        no_decay.append(h)  # norm_mlp
+        decay.extend([r * h * h // tp, r * h * h // tp])  # fc_in, fc_out
+        if model.skip_gains:
+            no_decay.extend([1, 1])
+    if last:
+        no_decay.append(h)  # final norm
+    return {"decay": decay, "no_decay": no_decay}
+
+
+def zero12_partition(numel: int, dp: int) -> int:
+    """Elements of one rank's partition of a flat ZeRO-1/2 group (DeepSpeed pads the flat
+    buffer to a multiple of 2 x DP elements)."""
+    align = 2 * dp
+    return math.ceil(numel / align) * align // dp
+
+
+def state_bytes(groups: dict[str, list[int]], zero_stage: int, dp: int,
+                precision: Precision) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of one rank."""
+    tensors = [n for sizes in groups.values() for n in sizes]
+    full = sum(tensors)
+    if zero_stage == 0:
+        return full * precision.param, full * precision.param, 2 * FP32 * full
+    if zero_stage == 3:
+        partition = sum(math.ceil(n / dp) for n in tensors)
+        return (partition * precision.param, partition * precision.param,
+                3 * FP32 * partition)
+    partition = sum(zero12_partition(sum(sizes), dp) for sizes in groups.values() if sizes)
+    grads = partition if zero_stage == 2 else full
+    return full * precision.param, grads * precision.param, 3 * FP32 * partition
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations of one micro-batch
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    micro_batch: int
+    seq: int
+    hidden: int
+    heads: int
+    mlp_ratio: int
+    padded_vocab: int
+    vocab: int
+    tp: int
+    sequence_parallel: bool
+    precision: Precision
+
+    @property
+    def tokens(self) -> int:  # B x S
+        return self.micro_batch * self.seq
+
+    @property
+    def seq_split(self) -> int:  # the LayerNorm region is split along S under SP
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def stream_tensor(self) -> int:
+        """Bytes of one residual-stream tensor (an X_j, a Y_i, a block input)."""
+        return self.tokens * self.hidden * self.precision.stream // self.seq_split
+
+    @property
+    def block(self) -> int:
+        """Bytes one non-checkpointed block keeps."""
+        s, p = self.tokens * self.hidden, self.precision
+        norm_region = (2 * p.stream + 2 * p.matmul) * s // self.seq_split  # x, h, 2 LN outs
+        split = (6 + 2 * self.mlp_ratio) * p.matmul * s // self.tp  # q, k, qkv, attn, mlp
+        stats = 4 * FP32 * self.tokens // self.seq_split  # mean, rstd of two LayerNorms
+        lse = FP32 * self.tokens * (self.heads // self.tp)
+        return norm_region + split + stats + lse
+
+    @property
+    def head(self) -> int:
+        """Bytes the final norm, LM head and cross entropy keep (plus the token ids)."""
+        s, p = self.tokens * self.hidden, self.precision
+        normed = (p.stream + p.matmul) * s // self.seq_split  # Y_d, normed Y_d
+        stats = 2 * FP32 * self.tokens // self.seq_split
+        shard = self.padded_vocab // self.tp
+        softmax = FP32 * self.tokens * shard
+        padding_mask = shard if self.padded_vocab > self.vocab else 0
+        # token ids (a view of the loaded (B, S + 1) batch), masked targets, target mask
+        ids = 8 * self.micro_batch * (self.seq + 1) + 8 * self.tokens + self.tokens
+        return normed + stats + softmax + padding_mask + ids
+
+
+def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[range]:
+    """Checkpoint units (parallel.checkpointing.ActivationCheckpointing.units)."""
+    blocks = blocks or range(1, n_layers + 1)
+    return [range(a, min(a + every, blocks.stop)) for a in range(blocks.start, blocks.stop,
+                                                                   every)]
+
+
+def activation_terms(model, shape: ActivationShape, mode: str, every: int) -> dict[str, int]:
+    """Bytes of one micro-batch through the whole model (no PP), by term."""
+    reads = dwa_reads(model)
+    stored = stored_outputs(model)
+    terms = {"dwa_buffers": len(stored) * shape.stream_tensor, "lm_head": shape.head}
+    units = unit_ranges(model.n_layers, every)
+    if mode == "none":
+        terms["blocks"] = model.n_layers * shape.block
+        return terms
+    kept_inputs, working = 0, 0
+    for unit in units:
+        entry = unit.start - 1  # the unit's input is Y_entry
+        recomputed = mode == "dwa_block" and (entry in reads or entry in stored)
+        kept_inputs += 0 if recomputed else 1
+        working = max(working, len(unit) * shape.block
+                      - (0 if recomputed else shape.stream_tensor))
+    terms["checkpoint_boundaries"] = kept_inputs * shape.stream_tensor
+    terms["recompute_working_set"] = working
+    return terms
+
+
+def pipeline_activation_terms(model, shape: ActivationShape, mode: str, every: int,
+                              pp: int, pp_rank: int, microbatches: int,
+                              plan) -> dict[str, int]:
+    """Bytes on pipeline rank `pp_rank` under 1F1B: its stages' blocks for each micro-batch
+    in flight, the tensors each received, and one recompute working set. Approximate (the
+    stages run the functional DWA, which keeps each X_j it reads once)."""
+    in_flight = min(pp - pp_rank, microbatches)
+    reads = dwa_reads(model)
+    per_micro, working = 0, 0
+    for s in plan.stages_of_rank(pp_rank):
+        first, last = plan.stages[s]
+        blocks = range(first, last + 1)
+        stored = {j for i, js in reads.items() if i >= first for j in js if j <= last}
+        per_micro += len(stored & set(blocks)) * shape.stream_tensor
+        if s > 0:
+            count = plan.counts[s - 1]
+            per_micro += count[plan.transfer] * shape.stream_tensor
+        if s == plan.n_stages - 1:
+            per_micro += shape.head
+        if mode == "none":
+            per_micro += len(blocks) * shape.block
+        else:
+            units = unit_ranges(model.n_layers, every, blocks)
+            per_micro += len(units) * shape.stream_tensor
+            working = max(working, max(len(u) for u in units) * shape.block
+                          - shape.stream_tensor)
+    return {"in_flight_microbatches": in_flight, "stages": in_flight * per_micro,
+            "recompute_working_set": working}
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+def estimate(cfg, world_size: int | None = None, device: str = "cuda") -> list[RankMemory]:
+    """RankMemory of every rank of the layout (`cfg`: pretrain.config.Config)."""
+    p, model = cfg.parallel, cfg.model
+    if model.vocab_size is None:
+        raise ValueError("model.vocab_size is null: set it (--set model.vocab_size=N)")
+    world = world_size or p.tp * p.pp
+    dp = world // (p.tp * p.pp)
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bf16" if device == "cuda" else "fp32"
+    precision = Precision.of(dtype, p.zero_stage)
+    padded = math.ceil(model.vocab_size / model.vocab_pad_multiple) * model.vocab_pad_multiple
+    shape = ActivationShape(
+        micro_batch=cfg.train.batch_size // (dp * p.microbatches), seq=model.seq_len,
+        hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
+        padded_vocab=padded, vocab=model.vocab_size, tp=p.tp,
+        sequence_parallel=p.sequence_parallel, precision=precision)
+    mode, every = p.activation_checkpointing, p.checkpoint_every
+    plan = None
+    if p.pp > 1:
+        from parallel.plan import build_plan
+
+        plan = build_plan(model.build_config(), p.pp, p.virtual_stages, p.pp_split,
+                          p.pp_transfer)
+    ranks = []
+    for pp_rank in range(p.pp):
+        if plan is None:
+            blocks, first, last = range(1, model.n_layers + 1), True, True
+            activations = activation_terms(model, shape, mode, every)
+        else:
+            stages = plan.stages_of_rank(pp_rank)
+            blocks = [i for s in stages for i in range(plan.stages[s][0],
+                                                       plan.stages[s][1] + 1)]
+            first, last = 0 in stages, plan.n_stages - 1 in stages
+            activations = pipeline_activation_terms(model, shape, mode, every, p.pp, pp_rank,
+                                                    p.microbatches, plan)
+        groups = local_parameters(model, p.tp, blocks, first, last, cfg.optim.decay_alphas)
+        params, grads, optimizer = state_bytes(groups, p.zero_stage, dp, precision)
+        activation = sum(v for k, v in activations.items() if k.endswith(
+            ("buffers", "head", "blocks", "boundaries", "working_set", "stages")))
+        for dp_rank in range(dp):
+            for tp_rank in range(p.tp):
+                ranks.append(RankMemory(
+                    rank=tp_rank + p.tp * (dp_rank + dp * pp_rank), tp_rank=tp_rank,
+                    pp_rank=pp_rank, dp_rank=dp_rank, params_bytes=params, grads_bytes=grads,
+                    optimizer_bytes=optimizer, activation_bytes=activation,
+                    activations=activations))
+    return sorted(ranks, key=lambda r: r.rank)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:8.3f} GiB"
+
+
+def describe(cfg, ranks: list[RankMemory]) -> list[str]:
+    """Human-readable lines: the layout, then one block per distinct rank."""
+    p, m = cfg.parallel, cfg.model
+    arch = (f"DenseFormer {m.dwa_dilation}x{m.dwa_period}" if m.dwa else "Transformer")
+    lines = [f"{m.n_layers} blocks x {m.d_model} {arch}, seq {m.seq_len}; tp {p.tp}, pp {p.pp}, "
+             f"dp {len(ranks) // (p.tp * p.pp)}; ZeRO {p.zero_stage}; activation "
+             f"checkpointing {p.activation_checkpointing} (every {p.checkpoint_every})"]
+    seen = set()
+    for r in ranks:
+        key = (r.pp_rank,)
+        if key in seen:
+            continue
+        seen.add(key)
+        name, share = r.dominant()
+        same = [x.rank for x in ranks if x.pp_rank == r.pp_rank]
+        lines.append(f"ranks {same[0]}..{same[-1]} (pipeline stage {r.pp_rank}; every TP/DP "
+                     f"rank alike):" if len(same) > 1 else f"rank {r.rank}:")
+        lines += [f"  parameters      {_gib(r.params_bytes)}",
+                  f"  gradients       {_gib(r.grads_bytes)}",
+                  f"  optimizer state {_gib(r.optimizer_bytes)}",
+                  f"  activations     {_gib(r.activation_bytes)}"]
+        lines += [f"    {k:24s} {_gib(v) if k != 'in_flight_microbatches' else v}"
+                  for k, v in r.activations.items()]
+        lines += [f"  total           {_gib(r.total_bytes)}  (largest: {name}, {share:.0%})"]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel.memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of ranks (default tp x pp: no data parallelism)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="what train.dtype=auto resolves to (default cuda: bf16)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON document")
+    args = parser.parse_args(argv)
+
+    from pretrain.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        ranks = estimate(cfg, args.world_size, args.device)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"ranks": [r.as_json() for r in ranks]}))
+    else:
+        print("\n".join(describe(cfg, ranks)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

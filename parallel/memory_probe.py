@@ -1,0 +1,136 @@
+"""What autograd really keeps for one micro-batch: saved-activation bytes, measured.
+
+    report = measure_activations(model, tokens, targets)    # an ActivationReport, bytes
+
+- `saved_bytes`: every tensor autograd saves for backward during the forward pass, seen by
+  a `torch.autograd.graph.saved_tensors_hooks` counter, deduplicated by storage (a view
+  counts its whole storage once), parameters and module buffers excluded. Inside a
+  checkpointed unit the checkpoint's own hooks take over: those tensors are recomputed, not
+  kept, and are not counted.
+- `dwa_buffer_bytes`: the stored X_j of the buffered DWA (pretrain/model/dwa.py) live outside
+  autograd, so the hooks never see them. They are found by walking the loss's autograd graph
+  (the StoreOutput / Combine nodes hold the buffers of their forward pass) and counted
+  explicitly; `stored_outputs` is the number of X_j slots in them.
+- `recompute_bytes`: the largest working set of one checkpointed unit, measured by running
+  each unit's function once more, outside the checkpoint, under the same counter (its kept
+  inputs excluded): what backward holds on top of the kept tensors while it recomputes a unit.
+- `total_bytes` = saved + DWA buffers + recompute: the activation memory of the micro-batch.
+
+Exact on CPU. On a GPU, `torch.cuda.max_memory_allocated` around a step measures the same
+thing plus the allocator's rounding and temporary buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ActivationReport:
+    saved_bytes: int
+    dwa_buffer_bytes: int
+    stored_outputs: int
+    recompute_bytes: int
+    largest: list[tuple[int, tuple, str]] = field(default_factory=list, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.saved_bytes + self.dwa_buffer_bytes + self.recompute_bytes
+
+    def as_dict(self) -> dict:
+        return {"saved_bytes": self.saved_bytes, "dwa_buffer_bytes": self.dwa_buffer_bytes,
+                "stored_outputs": self.stored_outputs, "recompute_bytes": self.recompute_bytes,
+                "total_bytes": self.total_bytes}
+
+
+class SavedTensorCounter:
+    """Context manager: bytes of the distinct storages autograd saves, minus `exclude`."""
+
+    def __init__(self, exclude: set[int] = frozenset()):
+        self.exclude = set(exclude)
+        self.storages: dict[int, tuple[int, tuple, str]] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and key not in self.storages and storage.nbytes():
+            origin = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "leaf"
+            self.storages[key] = (storage.nbytes(), tuple(tensor.shape), origin)
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for n, _, _ in self.storages.values())
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def model_storages(model: nn.Module) -> set[int]:
+    """Storage addresses of the parameters and buffers of `model` (not activations)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def dwa_buffers_of(output: torch.Tensor) -> list:
+    """The DWABuffers reachable from `output`'s autograd graph (one per forward pass)."""
+    from pretrain.model.dwa import DWABuffers
+
+    found, seen, stack = {}, set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        buffers = getattr(node, "buffers", None)  # custom Function ctx attributes
+        if isinstance(buffers, DWABuffers):
+            found[id(buffers)] = buffers
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                        loss_fn: Callable | None = None) -> ActivationReport:
+    """Forward one micro-batch through `model.loss` (or `loss_fn(tokens, targets)`) and
+    report what it keeps (no backward)."""
+    from parallel.checkpointing import ActivationCheckpointing
+
+    exclude = model_storages(model)
+    checkpointing = getattr(model, "activation_checkpointing", None)
+    recorder: list = []
+    with contextlib.ExitStack() as stack:
+        if isinstance(checkpointing, ActivationCheckpointing):
+            model.activation_checkpointing = dataclasses.replace(checkpointing,
+                                                                 recorder=recorder)
+            stack.callback(setattr, model, "activation_checkpointing", checkpointing)
+        with SavedTensorCounter(exclude) as counter:
+            loss = (loss_fn or model.loss)(tokens, targets)
+        buffers = dwa_buffers_of(loss)
+        buffer_storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                           for b in buffers for v in b.values.values()}
+        saved = {k: v for k, v in counter.storages.items() if k not in buffer_storages}
+        recompute = 0
+        for unit, inputs in recorder:
+            kept = exclude | set(saved) | set(buffer_storages) | {
+                t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            with torch.random.fork_rng(devices=[]), SavedTensorCounter(kept) as unit_counter:
+                unit(*inputs)
+            recompute = max(recompute, unit_counter.bytes)
+        del loss
+    largest = sorted(saved.values(), key=lambda item: -item[0])[:10]
+    return ActivationReport(
+        saved_bytes=sum(n for n, _, _ in saved.values()),
+        dwa_buffer_bytes=sum(buffer_storages.values()),
+        stored_outputs=sum(v.shape[0] for b in buffers for v in b.values.values()),
+        recompute_bytes=recompute, largest=largest)
