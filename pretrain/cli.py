@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2  # bad config, data or checkpoint: nothing was trained
+from pretrain.exit_codes import EXIT_USAGE
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -31,12 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from pretrain.config import load_config
+    from pretrain.signals import StopRequest
     from pretrain.train import distributed_session, run_training
 
     cfg = load_config(args.config, args.overrides,
                       world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    with distributed_session():
-        return run_training(cfg)
+    # Handlers first: a signal during set-up stops the run after its first step, cleanly.
+    with StopRequest() as stop, distributed_session():
+        return run_training(cfg, stop)
 
 
 def cmd_config(args) -> int:

@@ -13,9 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-# Exit status of a run that stopped on a signal after saving a checkpoint (EX_TEMPFAIL: the
-# job should be resumed, e.g. requeued). Documented in the README.
-EXIT_PREEMPTED = 75
+from pretrain.exit_codes import EXIT_PREEMPTED  # noqa: F401  (the status of a stop)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 

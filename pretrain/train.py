@@ -25,9 +25,8 @@ from parallel import groups
 from parallel.tensor import allreduce_sequence_parallel_grads
 from pretrain.config import Config, ConfigError, save_config
 from pretrain.evaluate import autocast_for, evaluate
-from pretrain.signals import EXIT_PREEMPTED, StopRequest
-
-EXIT_NONFINITE = 3  # the loss (or gradient norm) became NaN/inf and train.on_nan=stop
+from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
+from pretrain.signals import StopRequest
 
 
 class NonFiniteLoss(RuntimeError):
@@ -63,8 +62,6 @@ def setup_layout(cfg: Config) -> Layout:
     """Initialise process groups for the configured layout (world size from the launcher)."""
     from megatron.core import parallel_state
 
-    if cfg.parallel.zero_stage:
-        raise ConfigError("parallel.zero_stage", "ZeRO is not available yet; use zero_stage=0")
     device = groups.default_device()
     if cfg.train.device == "cpu":
         device = torch.device("cpu")
@@ -180,13 +177,23 @@ class Trainer:
                 self.model_cfg, microbatches=p.microbatches,
                 micro_batch=self.local_batch // p.microbatches, virtual_stages=p.virtual_stages,
                 pp_split=p.pp_split, transfer=p.pp_transfer, seed=cfg.train.seed,
-                device=layout.device, sequence_parallel=p.sequence_parallel)
+                device=layout.device, sequence_parallel=p.sequence_parallel,
+                activation_checkpointing=p.activation_checkpointing == "block")
             self.model = self.pipeline.model  # this rank's stages
         else:
+            from parallel.checkpointing import apply_activation_checkpointing
+
             self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed,
                                      sequence_parallel=cfg.parallel.sequence_parallel
                                      ).to(layout.device)
+            apply_activation_checkpointing(self.model, cfg.parallel.activation_checkpointing,
+                                           cfg.parallel.checkpoint_every)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.zero = None  # parallel.zero.ZeroEngine: DeepSpeed runs the update
+        if cfg.parallel.zero_stage:
+            from parallel.zero import ZeroEngine
+
+            self.zero = ZeroEngine(self.model, self.optimizer, cfg, dtype=self.dtype)
         self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
                                   dp_rank=layout.dp_rank, dp_size=layout.dp, seed=cfg.train.seed,
                                   num_workers=cfg.data.num_workers)
@@ -216,7 +223,9 @@ class Trainer:
         from pretrain.model.state import load_full_model_state, load_full_optimizer_state
 
         meta = state["meta"]
-        if self.pipeline is not None:
+        if self.zero is not None:
+            self.zero.load_full_state(state["model"], state["optimizer"])
+        elif self.pipeline is not None:
             self.pipeline.load_model_state(state["model"])
             self.pipeline.load_optimizer_state(self.optimizer, state["optimizer"])
         else:
@@ -231,7 +240,13 @@ class Trainer:
         from pretrain import checkpoint
         from pretrain.model.state import full_model_state, full_optimizer_state
 
-        if self.pipeline is not None:  # every stage's tensors, merged on rank 0
+        if self.zero is not None:  # gathered over DP (and TP); stages merged on rank 0
+            model_state = self.zero.full_model_state()
+            optimizer_state = self.zero.full_optimizer_state()
+            if self.pipeline is not None:
+                model_state = self.pipeline._gather_to_main(model_state)
+                optimizer_state = self.pipeline._gather_to_main(optimizer_state)
+        elif self.pipeline is not None:  # every stage's tensors, merged on rank 0
             model_state = self.pipeline.full_model_state()
             optimizer_state = self.pipeline.full_optimizer_state(self.optimizer)
         else:
@@ -289,23 +304,31 @@ class Trainer:
         else:
             for part in batch.chunk(micro):
                 with autocast_for(layout.device, self.dtype):
-                    loss = self.model.loss(part[:, :seq], part[:, 1: seq + 1])
-                (loss / micro).backward()
+                    loss = (self.zero or self.model).loss(part[:, :seq], part[:, 1: seq + 1])
+                if self.zero is not None:
+                    self.zero.backward(loss)  # scales by 1 / micro itself
+                else:
+                    (loss / micro).backward()
                 loss_sum += loss.detach().double()
         allreduce_sequence_parallel_grads(self.model, layout.tp_group)
-        average_gradients(self.model, layout)
+        if self.zero is None:
+            average_gradients(self.model, layout)
         if layout.dp > 1:
             dist.all_reduce(loss_sum, group=layout.dp_group)
         loss = (loss_sum / (micro * layout.dp)).item()
-        grad_norm = gradient_norm(self.model, layout).item()
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(
-                    self.model.parameters(), cfg.optim.grad_clip,
-                    torch.tensor(grad_norm, device=layout.device))
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:  # DP reduction, clipping; a non-finite norm skips the update
+            grad_norm = self.zero.step()
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        else:
+            grad_norm = gradient_norm(self.model, layout).item()
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            if finite:
+                if cfg.optim.grad_clip > 0:
+                    torch.nn.utils.clip_grads_with_norm_(
+                        self.model.parameters(), cfg.optim.grad_clip,
+                        torch.tensor(grad_norm, device=layout.device))
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if not finite and cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm}")
         self.step = step
@@ -322,8 +345,10 @@ def _print_main(layout: Layout, *lines: str) -> None:
             tqdm.write(line, file=sys.stderr)
 
 
-def run_training(cfg: Config) -> int:
-    """Train as configured; returns the process exit status (0, or EXIT_* codes)."""
+def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
+    """Train as configured; returns the process exit status (pretrain.exit_codes).
+
+    `stop`: signal handlers the caller installed before set-up (else installed here)."""
     from pretrain.mfu import measure_matmul_flops
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
@@ -362,7 +387,7 @@ def run_training(cfg: Config) -> int:
                     unit="step", file=sys.stderr, dynamic_ncols=True)
     data = iter(trainer.loader)
     try:
-        with StopRequest() as stop:
+        with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
             while trainer.step < stop_at:
                 start = time.perf_counter()
                 record = trainer.train_step(trainer.next_batch(data))
@@ -429,6 +454,8 @@ def _latest(trainer: Trainer):
 def _validate(trainer: Trainer, metrics, tracker) -> None:
     cfg, layout = trainer.cfg, trainer.layout
     model = trainer.pipeline or trainer.model  # the runner evaluates through the stages
+    if trainer.zero is not None and trainer.pipeline is None:
+        model = trainer.zero.module  # through DeepSpeed's hooks (ZeRO-3 gathers weights)
     result = evaluate(model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
                       dp_size=layout.dp, dp_group=layout.dp_group,
                       max_batches=cfg.data.val_batches, device=layout.device,

@@ -32,10 +32,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.exit_codes import EXIT_PREEMPTED, EXIT_USAGE  # torch-free
 from slurm.worker import LAUNCH_DIR_ENV, STOP_SIGNALS
 
-EXIT_PREEMPTED = 75  # pretrain.signals.EXIT_PREEMPTED (not imported: that pulls in torch)
-EXIT_USAGE = 2
 DEFAULT_RDZV_PORT = 29400
 ENV_PREFIX = "DENSEFORMER_"
 
