@@ -187,6 +187,11 @@ class ZeroEngine:
                                    "with torchrun or set it per process")
             os.environ["LOCAL_RANK"] = "0"  # a 1-process world (plain `python`)
         self.mpu = MegatronMPU()
+        for param in model.parameters():
+            # Copies a pipeline keeps on several stages (alpha, the tied embedding) count once
+            # in DeepSpeed's gradient norm, as in pretrain.train.gradient_norm.
+            if getattr(param, "pipeline_duplicate", False):
+                param.ds_pipe_replicated = True
         self.stage = cfg.parallel.zero_stage
         self.dtype = dtype
         self.model = model
@@ -297,10 +302,9 @@ class ZeroEngine:
 
         model = self.model
         params = dict(model.named_parameters())
-        missing, unexpected = params.keys() - model_state.keys(), model_state.keys() - params.keys()
-        if missing or unexpected:
-            raise KeyError(f"model state mismatch: missing {sorted(missing)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
+        missing = sorted(params.keys() - model_state.keys())
+        if missing:  # a pipeline stage holds a subset of the names: the rest is not ours
+            raise KeyError(f"model state lacks {missing[:5]}")
         if self._clips_itself:
             load_full_model_state(model, model_state)
             load_full_optimizer_state(model, self.engine.optimizer, optimizer_state)
