@@ -65,3 +65,21 @@ def test_invalid_combinations_exit_2_naming_the_key(tiny_data, tmp_path, overrid
     assert result.returncode == 2, result.stderr
     assert key in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(600)
+def test_zero1_with_pipeline_pp2_dp2_matches_and_resumes_at_dp1(tiny_data, tmp_path):
+    """ZeRO-1 over the DP group with the pipeline schedule outside the engine (DESIGN.md
+    section 4), block checkpointing in the stages; its checkpoint resumes in one process."""
+    steps = [*STEPS, "model.n_layers=4"]
+    straight = run(train_cmd(tiny_data, tmp_path / "straight", *steps))
+    assert straight.returncode == 0, straight.stderr
+    run_dir = tmp_path / "pp-zero"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "4", *train_cmd(tiny_data, run_dir, *steps, "parallel.pp=2", "parallel.zero_stage=1",
+                           "parallel.activation_checkpointing=block", "train.stop_at=3")[1:]]
+    first = run(cmd, timeout=500)
+    assert first.returncode == 0, first.stderr
+    second = run(train_cmd(tiny_data, run_dir, *steps, "train.resume=auto"))
+    assert second.returncode == 0, second.stderr
+    assert_same_curve(losses(run_dir), losses(tmp_path / "straight"), "PP=2 DP=2 ZeRO-1")
