@@ -45,3 +45,25 @@ def test_cli_pp2_matches_pp1_and_checkpoints_load_across_pipeline_sizes(tiny_dat
            for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
     assert len(val) == 2 and abs(val[0] - val[1]) < 1e-4
     assert losses(mixed) == {s: r["loss"] for s, r in b.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cli_four_rank_pipeline_layouts_match_pp1(tiny_data, tmp_path):
+    common = ["train.steps=4", "model.n_layers=4", "model.n_heads=2", "parallel.microbatches=4",
+              "tracking.enabled=false", "train.batch_size=8"]
+    one = run(train_cmd(tiny_data, tmp_path / "pp1", *common))
+    assert one.returncode == 0, one.stderr
+    a = records(tmp_path / "pp1")
+    layouts = {"tp2-pp2": ["parallel.pp=2", "parallel.tp=2"], "pp4": ["parallel.pp=4"],
+               "pp2-dp2": ["parallel.pp=2", "parallel.microbatches=2"],
+               "pp2-interleaved": ["parallel.pp=2", "parallel.virtual_stages=2"]}
+    for name, extra in layouts.items():
+        cmd = train_cmd(tiny_data, tmp_path / name, *common, *extra)
+        n = 2 if name == "pp2-interleaved" else 4
+        result = run([*TORCHRUN, str(n), *cmd[1:]], timeout=600)
+        assert result.returncode == 0, (name, result.stderr)
+        b = records(tmp_path / name)
+        assert a.keys() == b.keys(), name
+        for step in a:
+            assert abs(a[step]["loss"] - b[step]["loss"]) < 1e-4, (name, step, a[step], b[step])
