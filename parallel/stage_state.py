@@ -18,8 +18,9 @@ either
 - partial sums: one tensor per consumer, sum_{j in S_c, j <= b} alpha[c, j] X_j (X_b itself
   for the next input when block b has no DWA),
 
-so at least sum_r min(|P_r|, |C_r|) hidden-size tensors cross b (`lower_bound`). Transfer
-modes (`boundary_states`):
+Without a Last-K window (every S_c is its whole class up to c), no fewer than
+sum_r min(|P_r|, |C_r|) hidden-size tensors can carry this for generic alphas
+(`lower_bound`). Transfer modes (`boundary_states`):
 
 - `raw` (reference): every X_j that a later DWA reads, plus the next input as computed
   (Y_b, or X_b when it is not already among them);
@@ -29,9 +30,10 @@ modes (`boundary_states`):
   every boundary; with a window (S_c not all of its class) it can stay above it.
 
 Each alpha[c, j] is applied exactly once, on the stage that first folds X_j into consumer c's
-sum: the stage of block max(j, ...) that forms the partial sum or Y_c. `StageProgram` says,
-for one stage, how every block input and every outgoing tensor is formed; `run_program`
-executes it on tensors. Everything here except `run_program` is plain Python.
+sum (a partial sum that it sends on, or Y_c itself), which need not be the stage of block c
+nor of block j. `StageProgram` says, for one stage, how every block input and every outgoing
+tensor is formed; `run_program` executes it on tensors. Everything here except
+`run_program` is plain Python.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def boundary_classes(inputs: dict[int, list[int]], k: int, b: int) -> dict[int, 
 
 
 def lower_bound(inputs: dict[int, list[int]], k: int, b: int) -> int:
-    """sum_r min(|P_r|, |C_r|): the fewest hidden-size tensors that can cross boundary b."""
+    """sum_r min(|P_r|, |C_r|): the fewest hidden-size tensors that can cross boundary b
+    (for generic alphas, without a Last-K window)."""
     return sum(min(len(cl.consumers), len(cl.producers))
                for cl in boundary_classes(inputs, k, b).values())
 
