@@ -48,10 +48,9 @@ def lr(cfg, step: int) -> float:
 
 
 def build(cfg):
+    from parallel.checkpointing import apply_activation_checkpointing
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
-
-    from parallel.checkpointing import apply_activation_checkpointing
 
     p = cfg.parallel
     model = DenseFormer(cfg.model.build_config(), seed=cfg.train.seed,
@@ -112,6 +111,28 @@ def zero_run(stage: int, overrides: tuple[str, ...] = (), dtype=torch.float32,
     zero = ZeroEngine(model, optimizer, cfg, dtype=dtype)
     norms = zero_steps(zero, cfg, 1, STEPS, external)
     return norms, zero.full_model_state(), zero.full_optimizer_state()
+
+
+EVAL = torch.randint(0, 200, (4, 17), generator=torch.Generator().manual_seed(9))
+
+
+@torch.no_grad()
+def eval_loss(model) -> float:
+    """Validation-style loss (eval mode, no grad) on a fixed batch, through `model.loss`."""
+    model.eval()
+    return model.loss(EVAL[:, :-1], EVAL[:, 1:]).item()
+
+
+def zero3_eval_loss() -> float:
+    """After 3 ZeRO-3 steps, the trainer's validation path: the engine's module, whose
+    hooks gather the partitioned weights."""
+    from parallel.zero import ZeroEngine
+
+    cfg = config("parallel.zero_stage=3")
+    model, optimizer = build(cfg)
+    zero = ZeroEngine(model, optimizer, cfg)
+    zero_steps(zero, cfg, 1, STEPS)
+    return eval_loss(zero.module)
 
 
 def zero_resumed_run(stage: int, saved_at: int = 2):
@@ -201,6 +222,7 @@ def pure_dp_cases():
             f"parallel.activation_checkpointing={mode}", f"parallel.checkpoint_every={every}"))
     for stage in (1, 2, 3):
         out[f"stage{stage}-resumed"] = zero_resumed_run(stage)
+    out["stage3-eval"] = zero3_eval_loss()
     for stage in (1, 2, 3):
         out[f"stage{stage}-bf16"] = zero_run(stage, dtype=torch.bfloat16)
     return out
@@ -271,6 +293,11 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
             norms, params, state = rank_result[f"stage{stage}-resumed"]
             assert_close((norms, params, state), (reference[0][2:], *reference[1:]),
                          f"ZeRO-{stage} saved at step 2, loaded into a fresh engine")
+        model = build(config())[0]
+        from pretrain.model.state import load_full_model_state
+
+        load_full_model_state(model, reference[1])
+        assert abs(rank_result["stage3-eval"] - eval_loss(model)) < 1e-5, "ZeRO-3 eval"
         for stage in (1, 2, 3):
             assert_bf16_close(rank_result[f"stage{stage}-bf16"], reference, initial_params,
                               f"ZeRO-{stage} bf16")
