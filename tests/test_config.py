@@ -21,7 +21,8 @@ from pretrain.config import (
 from pretrain.model.config import DenseFormerConfig
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
+                 if "sweeps" not in p.parts)  # sweep files are checked in test_slurm_sweep.py
 
 
 def write(path: Path, data: dict | str) -> Path:

@@ -277,3 +277,10 @@ def test_fit_command_on_a_synthetic_store(tmp_path, capsys):
 
     assert main(["fit", "--experiment", "nope", "--tracking-uri", uri]) == 2
     assert "no experiment named 'nope'" in capsys.readouterr().err
+
+
+def test_paper_sweep_expands(tmp_path):
+    """The GPU example sweep is valid: every run resolves to a loadable config."""
+    sweep = expand(ROOT / "configs/sweeps/paper-owt2.yaml", [], out=tmp_path / "out")
+    assert len(sweep.runs) >= 2
+    assert len({run.name for run in sweep.runs}) == len(sweep.runs)
