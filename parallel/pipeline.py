@@ -210,7 +210,7 @@ class PipelineRunner:
 
     # -- layout-independent state --------------------------------------------------------
 
-    def _gather_to_main(self, local: dict) -> dict:
+    def gather_to_main(self, local: dict) -> dict:
         """Merge each pipeline rank's {name: ...} on pipeline rank 0 of TP rank 0 / DP rank 0
         (global rank 0); elsewhere the local dict comes back."""
         from megatron.core import parallel_state as ps
@@ -231,13 +231,13 @@ class PipelineRunner:
         """{name: full tensor} of the whole model on global rank 0 (collective)."""
         from pretrain.model.state import full_model_state
 
-        return self._gather_to_main(full_model_state(self.model))
+        return self.gather_to_main(full_model_state(self.model))
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole model's optimizer state by name on global rank 0 (collective)."""
         from pretrain.model.state import full_optimizer_state
 
-        return self._gather_to_main(full_optimizer_state(self.model, optimizer))
+        return self.gather_to_main(full_optimizer_state(self.model, optimizer))
 
     def load_model_state(self, state: dict) -> None:
         """Load this rank's parameters from a full (single-process) model state."""

@@ -244,8 +244,8 @@ class Trainer:
             model_state = self.zero.full_model_state()
             optimizer_state = self.zero.full_optimizer_state()
             if self.pipeline is not None:
-                model_state = self.pipeline._gather_to_main(model_state)
-                optimizer_state = self.pipeline._gather_to_main(optimizer_state)
+                model_state = self.pipeline.gather_to_main(model_state)
+                optimizer_state = self.pipeline.gather_to_main(optimizer_state)
         elif self.pipeline is not None:  # every stage's tensors, merged on rank 0
             model_state = self.pipeline.full_model_state()
             optimizer_state = self.pipeline.full_optimizer_state(self.optimizer)
