@@ -189,7 +189,7 @@ class ZeroEngine:
         self.mpu = MegatronMPU()
         for param in model.parameters():
             # Copies a pipeline keeps on several stages (alpha, the tied embedding) count once
-            # in DeepSpeed's gradient norm, as in pretrain.train.gradient_norm.
+            # in DeepSpeed's gradient norm, as in parallel.layout.gradient_norm.
             if getattr(param, "pipeline_duplicate", False):
                 param.ds_pipe_replicated = True
         self.stage = cfg.parallel.zero_stage
