@@ -71,6 +71,20 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
                                f"asked for {(tp, pp)}")
 
 
+def allreduce_in_one_bucket(tensors: list[torch.Tensor], group, divide_by: int = 1) -> None:
+    """Sum `tensors` over `group` in place (then divide) with one collective on a flat copy."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not tensors:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+        tensor.copy_(reduced)
+
+
 def tp_group():
     from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_group()

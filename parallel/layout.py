@@ -84,10 +84,4 @@ def average_gradients(model, layout: Layout) -> None:
     if layout.dp == 1:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=layout.dp_group)
-    flat /= layout.dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    groups.allreduce_in_one_bucket(grads, layout.dp_group, divide_by=layout.dp)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from parallel.groups import allreduce_in_one_bucket
 
 # Replicated parameters whose gradients are partial under sequence parallelism (each TP rank
 # sees only its slice of the sequence) carry this attribute, as in Megatron.
@@ -47,11 +48,4 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp_group) -> None:
         return
     grads = [p.grad for p in model.parameters()
              if getattr(p, SEQUENCE_PARALLEL_ATTR, False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    allreduce_in_one_bucket(grads, tp_group)
