@@ -1,6 +1,6 @@
 """Data pipeline: demo corpus, tokenizer, packing into webdataset shards, and the loader.
 
-See docs_data.md (the README's data section) for the commands and the on-disk format.
+See docs/data.md for the commands and the on-disk format.
 """
 
 

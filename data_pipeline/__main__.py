@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     insp = commands.add_parser(
-        "inspect", help="check every shard against the index and show samples"
+        "inspect", help="check every shard (sha256, samples) against the index; show samples"
     )
     insp.add_argument("data_dir", type=Path)
     insp.add_argument(

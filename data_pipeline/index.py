@@ -1,8 +1,13 @@
 """The dataset index (DIR/index.json): what `prepare` wrote and what the loader may trust.
 
 read_index() checks the index against the files next to it (tokenizer sha256, each shard
-present with the recorded size) so a trainer fails at start-up, naming the file, rather
-than mid-run. `inspect` goes further and reads every sample.
+present with the recorded size and the size its sample count implies) so a trainer fails
+at start-up, naming the file, rather than mid-run; it only stats the shards. `inspect` goes
+further: it checks each shard's sha256 and reads every sample.
+
+Versions: 2 records a sha256 per shard, whose tar ends right after its last sample (see
+shards.py); 1 (older `prepare`) records none and pads each tar to a 10240-byte record.
+Both are read.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from data_pipeline import DataError
 
 INDEX_FILE = "index.json"
 FORMAT_NAME = "denseformer-data"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "val")
 
 
@@ -45,12 +51,13 @@ def sample_key(position: int) -> str:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One tar shard: its file, how many samples it holds, its size in bytes."""
+    """One tar shard: its file, how many samples it holds, its size and sha256 (None: v1)."""
 
     name: str
     path: Path
     num_samples: int
     num_bytes: int
+    sha256: str | None = None
 
 
 @dataclass
@@ -58,6 +65,7 @@ class DatasetIndex:
     """Parsed index.json of a prepared dataset directory."""
 
     data_dir: Path
+    version: int
     seq_len: int
     vocab_size: int
     eos_id: int
@@ -93,6 +101,11 @@ class DatasetIndex:
         return sum(shard.num_samples for shard in self.shards(split))
 
     @property
+    def has_checksums(self) -> bool:
+        """Whether the index records a sha256 per shard (version 2 on)."""
+        return self.version >= 2
+
+    @property
     def inputs(self) -> dict:
         """Input summary recorded by prepare: files, documents, bytes, tokens."""
         return dict(self.raw.get("inputs", {}))
@@ -112,11 +125,11 @@ def parse_index(raw: dict, data_dir: Path) -> DatasetIndex:
     index_path = data_dir / INDEX_FILE
     if not isinstance(raw, dict):
         raise DataError(f"{index_path}: expected a JSON object at the top level")
-    fmt = raw.get("format")
-    if fmt != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
+    fmt, version = raw.get("format"), raw.get("version")
+    if fmt != FORMAT_NAME or version not in READABLE_VERSIONS or isinstance(version, bool):
         raise DataError(
-            f"{index_path}: format {fmt!r} version {raw.get('version')!r}, "
-            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}"
+            f"{index_path}: format {fmt!r} version {version!r}, "
+            f"expected {FORMAT_NAME!r} version {' or '.join(map(str, READABLE_VERSIONS))}"
         )
     seq_len = _require(raw, "seq_len", int, "", index_path)
     vocab_size = _require(raw, "vocab_size", int, "", index_path)
@@ -148,10 +161,19 @@ def parse_index(raw: dict, data_dir: Path) -> DatasetIndex:
             num_bytes = _require(shard, "bytes", int, where, index_path)
             if "/" in name or name.startswith(".") or samples < 1:
                 raise DataError(f"{index_path}: bad shard entry {where[:-1]} = {shard!r}")
-            infos.append(ShardInfo(name, data_dir / name, samples, num_bytes))
+            digest = None
+            if version >= 2:
+                digest = _require(shard, "sha256", str, where, index_path)
+                if len(digest) != 64 or digest.strip("0123456789abcdef"):
+                    raise DataError(
+                        f"{index_path}: key {where}sha256 has a bad value {digest!r} "
+                        "(expected 64 lowercase hex digits)"
+                    )
+            infos.append(ShardInfo(name, data_dir / name, samples, num_bytes, digest))
         split_shards[split] = infos
     return DatasetIndex(
         data_dir=data_dir,
+        version=version,
         seq_len=seq_len,
         vocab_size=vocab_size,
         eos_id=eos_id,
@@ -190,7 +212,16 @@ def read_index(data_dir: str | Path, check_files: bool = True) -> DatasetIndex:
 
 
 def check_index_files(index: DatasetIndex) -> None:
-    """Tokenizer hash and shard sizes agree with the index (cheap: no sample is read)."""
+    """Tokenizer hash, shard sizes and sample counts agree with the index (one stat a shard).
+
+    Samples are fixed-size records, so a shard's size follows from its sample count: an
+    index promising more samples than a shard holds (an IndexError at some later step) or
+    fewer (a silent subset) is refused here. Version-1 shards are padded to 10240 bytes, so
+    for them a count off by less than 10240 / record bytes can pass.
+    """
+    # Imported here: shards.py imports this module for the shard and sample names.
+    from data_pipeline.shards import record_bytes, samples_for_bytes, shard_bytes
+
     tokenizer_path = index.tokenizer_path
     if not tokenizer_path.is_file():
         raise DataError(f"{tokenizer_path}: tokenizer file named in {index.index_path} is missing")
@@ -200,6 +231,8 @@ def check_index_files(index: DatasetIndex) -> None:
             f"{tokenizer_path}: sha256 {actual} differs from {index.tokenizer_sha256} "
             f"recorded in {index.index_path}"
         )
+    record = record_bytes(index.sample_len, index.token_dtype)
+    legacy = index.version < 2
     for split in SPLITS:
         for shard in index.shards(split):
             try:
@@ -208,11 +241,27 @@ def check_index_files(index: DatasetIndex) -> None:
                 raise DataError(
                     f"{shard.path}: shard listed in the index is unreadable ({error.strerror})"
                 ) from error
+            holds = samples_for_bytes(size, record, legacy)
+            if shard.num_samples not in holds:
+                expected = shard_bytes(shard.num_samples, record, legacy)
+                raise DataError(
+                    f"{shard.path}: index says {shard.num_samples} samples, which make a "
+                    f"{expected}-byte shard, but the file has {size} bytes "
+                    f"({_describe_count(holds, record)}); the index does not match the shard"
+                )
             if size != shard.num_bytes:
                 raise DataError(
                     f"{shard.path}: {size} bytes on disk, index says {shard.num_bytes} "
                     "(truncated or replaced shard)"
                 )
+
+
+def _describe_count(holds: range, record: int) -> str:
+    if not holds:
+        return f"not a whole number of {record}-byte samples: truncated or not from prepare"
+    if len(holds) == 1:
+        return f"{holds.start} samples"
+    return f"{holds.start} to {holds.stop - 1} samples"
 
 
 def write_index(raw: dict, data_dir: Path) -> Path:

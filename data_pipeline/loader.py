@@ -24,7 +24,9 @@ import contextlib
 import hashlib
 import io
 import os
+import signal
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +205,34 @@ def _batch_as_is(batch: torch.Tensor) -> torch.Tensor:
     return batch
 
 
+# Stop signals belong to the trainer (pretrain/signals.py). Slurm sends SIGTERM to the whole
+# process group; a worker killed by it makes the DataLoader raise in the trainer before the
+# trainer can checkpoint. Workers start with these signals blocked (inherited from the
+# trainer, which blocks them only while it starts workers) and ignore them before unblocking,
+# so no signal reaches a worker in a window before it is ignored.
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """worker_init_fn: leave SIGINT, SIGTERM and SIGUSR1 to the trainer."""
+    for sig in WORKER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    """Hold stop signals pending in this thread (delivered on exit) while workers start."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread receives Python signals; nothing to hold
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class TrainLoader:
     """Endless stream of this rank's LongTensor batches (G // n, seq_len + 1); see module doc.
 
@@ -285,16 +315,17 @@ class TrainLoader:
         )
         if self.num_workers == 0:
             return (self.dataset.__getitems__(batch) for batch in sampler)
-        return iter(
-            DataLoader(
-                self.dataset,
-                batch_sampler=sampler,
-                num_workers=self.num_workers,
-                collate_fn=_batch_as_is,
-                prefetch_factor=self.prefetch_factor,
-                pin_memory=self.pin_memory,
-            )
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=_batch_as_is,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            worker_init_fn=_ignore_stop_signals,
         )
+        with _stop_signals_blocked():  # the workers start here
+            return iter(loader)
 
     def __iter__(self) -> TrainLoader:
         return self

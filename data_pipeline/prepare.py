@@ -9,7 +9,9 @@ Phases (each with a progress bar on stderr):
              the train or val split (split by document, from the seed) and pack each
              split's token stream into samples of seq_len + 1 tokens written to shards.
 Everything is written to a hidden sibling directory that is renamed to DIR at the end,
-index.json last, so a failed or interrupted run leaves nothing that looks complete.
+index.json last, so a failed or interrupted run leaves nothing that looks complete. The
+index records each shard's sample count, size and sha256 (see index.py for what is checked
+when).
 """
 
 from __future__ import annotations

@@ -3,18 +3,31 @@
 A shard is a plain (USTAR) tar; sample k of a split is the member `{k:010d}.npy`, a 1-D
 array of seq_len + 1 tokens. Members carry mtime 0 and no owner so the same tokens give
 the same bytes. Random access for training goes through wids (see loader.py).
+
+Byte layout (what lets a trainer check sample counts with one stat per shard): each sample
+is a 512-byte header plus its .npy payload padded to 512 bytes, R bytes for every sample
+of a dataset (record_bytes); after the last sample come the two 512-byte zero blocks
+that end a tar, and nothing else. So a shard of n samples has exactly n * R + 1024 bytes
+and its size gives n back. tarfile would also pad the archive to a multiple of its
+10240-byte record; the writer cuts that padding off, because with it the size only pins n
+down to within 10240 / R samples. Shards of version-1 indexes (older `prepare`) still
+carry the padding (legacy=True below).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
 import numpy as np
 
 from data_pipeline import DataError
-from data_pipeline.index import sample_key, shard_name
+from data_pipeline.index import sample_key, sha256_file, shard_name
+
+END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # the two zero blocks that close a tar
+LEGACY_RECORD = tarfile.RECORDSIZE  # version-1 shards are padded to a multiple of this
 
 
 def npy_bytes(sample: np.ndarray) -> bytes:
@@ -23,10 +36,37 @@ def npy_bytes(sample: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _padded(size: int, block: int) -> int:
+    return -(-size // block) * block
+
+
 def record_bytes(sample_len: int, dtype: str) -> int:
     """Bytes one sample takes in a tar: a 512-byte header plus the padded .npy payload."""
     payload = len(npy_bytes(np.zeros(sample_len, dtype=dtype)))
-    return 512 + (payload + 511) // 512 * 512
+    return tarfile.BLOCKSIZE + _padded(payload, tarfile.BLOCKSIZE)
+
+
+def shard_bytes(num_samples: int, record: int, legacy: bool = False) -> int:
+    """Exact file size of a shard of num_samples records of `record` bytes each."""
+    size = num_samples * record + END_OF_ARCHIVE
+    return _padded(size, LEGACY_RECORD) if legacy else size
+
+
+def samples_for_bytes(size: int, record: int, legacy: bool = False) -> range:
+    """The sample counts whose shard has exactly `size` bytes; empty if none has.
+
+    One count for current shards; for legacy ones every n with
+    size - 10240 < n * R + 1024 <= size, which is up to 10240 / R counts.
+    """
+    if legacy:
+        if size <= 0 or size % LEGACY_RECORD:
+            return range(0)
+        low = max(0, (size - LEGACY_RECORD - END_OF_ARCHIVE) // record + 1)
+        return range(low, (size - END_OF_ARCHIVE) // record + 1)
+    body = size - END_OF_ARCHIVE
+    if body < 0 or body % record:
+        return range(0)
+    return range(body // record, body // record + 1)
 
 
 class ShardWriter:
@@ -36,10 +76,11 @@ class ShardWriter:
         self.out_dir = out_dir
         self.split = split
         self.samples_per_shard = samples_per_shard
-        self.shards: list[dict] = []  # index entries: name, samples, bytes
+        self.shards: list[dict] = []  # index entries: name, samples, bytes, sha256
         self.num_samples = 0
         self._tar: tarfile.TarFile | None = None
         self._in_shard = 0
+        self._record = 0  # bytes per sample in the tar, fixed by the first sample
 
     def _open_next(self) -> None:
         name = shard_name(self.split, len(self.shards))
@@ -48,17 +89,30 @@ class ShardWriter:
         self._in_shard = 0
 
     def _close_current(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            entry = self.shards[-1]
-            entry["bytes"] = (self.out_dir / entry["name"]).stat().st_size
-            self._tar = None
+        if self._tar is None:
+            return
+        end = self._tar.offset + END_OF_ARCHIVE  # offset: just past the last member
+        self._tar.close()
+        self._tar = None
+        entry = self.shards[-1]
+        path = self.out_dir / entry["name"]
+        os.truncate(path, end)  # drop the record padding (see the module docstring)
+        entry["bytes"] = path.stat().st_size
+        entry["sha256"] = sha256_file(path)
+        expected = shard_bytes(entry["samples"], self._record)
+        if entry["bytes"] != expected:  # the size check at training start relies on this
+            raise RuntimeError(
+                f"{path}: wrote {entry['bytes']} bytes for {entry['samples']} samples, "
+                f"the documented shard layout gives {expected}"
+            )
 
     def write(self, sample: np.ndarray) -> None:
         if self._tar is None or self._in_shard == self.samples_per_shard:
             self._close_current()
             self._open_next()
         payload = npy_bytes(sample)
+        if not self._record:  # any later sample of another size fails the check at close
+            self._record = tarfile.BLOCKSIZE + _padded(len(payload), tarfile.BLOCKSIZE)
         info = tarfile.TarInfo(f"{sample_key(self.num_samples)}.npy")
         info.size = len(payload)
         info.mode = 0o644

@@ -1,4 +1,4 @@
-"""`inspect`: read every sample of every shard and check it against the index."""
+"""`inspect`: hash and read every shard and check it against the index."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_pipeline import DataError
-from data_pipeline.index import SPLITS, DatasetIndex, read_index
+from data_pipeline.index import SPLITS, DatasetIndex, ShardInfo, read_index, sha256_file
 from data_pipeline.shards import read_shard_samples
 from data_pipeline.tokenizer import load_tokenizer
 
@@ -35,6 +35,29 @@ def summary(index: DatasetIndex) -> str:
     return "\n".join(lines)
 
 
+def check_shard_sha256(shard: ShardInfo, index: DatasetIndex) -> None:
+    """The shard's bytes hash to the sha256 the index records (no-op for a version-1 index)."""
+    if shard.sha256 is None:
+        return
+    actual = sha256_file(shard.path)
+    if actual != shard.sha256:
+        raise DataError(
+            f"{shard.path}: sha256 {actual} differs from {shard.sha256} recorded in "
+            f"{index.index_path} (the shard changed after prepare wrote it)"
+        )
+
+
+def checksum_note(index: DatasetIndex) -> str | None:
+    """Why `inspect` could not verify shard contents, or None when it could."""
+    if index.has_checksums:
+        return None
+    return (
+        f"  note: {index.index_path} (version {index.version}) records no shard sha256, so "
+        "shard contents cannot be verified against what prepare wrote; re-run prepare "
+        "to add checksums"
+    )
+
+
 def _show(processor, sample: np.ndarray, eos_id: int, limit: int = 400) -> str:
     """Decoded text with document boundaries marked; long samples are cut."""
     pieces, start = [], 0
@@ -46,7 +69,7 @@ def _show(processor, sample: np.ndarray, eos_id: int, limit: int = 400) -> str:
 
 
 def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool = True) -> str:
-    """Check all shards (readable, counts, keys, token range) and the tokenizer; a report.
+    """Check shards (sha256, readable, counts, keys, token range) and tokenizer; a report.
 
     Raises DataError naming the first bad file.
     """
@@ -66,6 +89,7 @@ def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool =
         for split in SPLITS:
             position = 0
             for shard in index.shards(split):
+                check_shard_sha256(shard, index)
                 count = 0
                 for name, sample in read_shard_samples(
                     shard.path, index.sample_len, index.token_dtype, position
@@ -89,7 +113,11 @@ def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool =
                         f"{shard.path}: {count} samples, index says {shard.num_samples}"
                     )
                 position += count
-    report = [summary(index), f"  ok: {total} samples checked, {eos_count} EOS tokens"]
+    hashes = ", every shard's sha256 matches" if index.has_checksums else ""
+    report = [summary(index), f"  ok: {total} samples checked, {eos_count} EOS tokens{hashes}"]
+    note = checksum_note(index)
+    if note:
+        report.append(note)
     if decoded:
         report += ["samples:"] + decoded
     return "\n".join(report)

@@ -40,6 +40,8 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
     Under torchrun/Slurm the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) drives
     the process group; without it this process becomes a 1-rank world on a local port.
     tp/pp None accept an existing layout (or make a TP=PP=1 one); given, they must match.
+    `timeout_s` bounds every collective of the groups created here (world and megatron-core's):
+    a rank waiting longer on a stopped or dead peer raises instead of hanging.
     """
     from megatron.core import parallel_state
 
@@ -62,6 +64,7 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp or 1, pipeline_model_parallel_size=pp or 1,
+            distributed_timeout_minutes=megatron_compat.timeout_minutes(timeout_s),
             create_gloo_process_groups=False)
     else:
         have = (parallel_state.get_tensor_model_parallel_world_size(),
@@ -98,6 +101,25 @@ def tp_rank() -> int:
 def tp_size() -> int:
     from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+# How gloo ends a collective whose peer stopped answering: the wait timing out after the
+# group's timeout, then (for later operations, or on the peers of the rank that gave up) the
+# connection that timeout or that rank's exit closed. NCCL's watchdog aborts the process
+# itself instead (TORCH_NCCL_ASYNC_ERROR_HANDLING), so no Python error reaches us there.
+PEER_LOST_MESSAGES = ("Timed out waiting", "Application timeout caused pair closure",
+                      "Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(err: BaseException, timeout_s: float) -> str | None:
+    """One line saying that a collective lost its peer, if that is what `err` is; else None."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or not any(m in text for m in PEER_LOST_MESSAGES):
+        return None
+    detail = text.splitlines()[0] if text else type(err).__name__
+    return (f"a collective got no answer from another rank within parallel.timeout_s="
+            f"{timeout_s:g} s, or lost its connection: that rank is stopped, hung or dead (its "
+            f"own log says which); {detail}")
 
 
 def destroy() -> None:

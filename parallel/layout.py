@@ -46,7 +46,8 @@ def setup_layout(cfg: Config) -> Layout:
         device = torch.device("cpu")
     elif cfg.train.device == "cuda" and device.type != "cuda":
         raise ConfigError("train.device", "cuda requested but no CUDA device is available")
-    groups.ensure_initialized(tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    groups.ensure_initialized(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                              timeout_s=cfg.parallel.timeout_s)
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=cfg.parallel.tp,
                   tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                   tp_src=parallel_state.get_tensor_model_parallel_src_rank(),

@@ -88,6 +88,18 @@ def _cpu_autocast_in_linear_backward() -> None:
     fn.backward = staticmethod(torch.amp.custom_bwd(fn.backward.__wrapped__, device_type="cpu"))
 
 
+def timeout_minutes(timeout_s: float) -> float:
+    """`initialize_model_parallel`'s `distributed_timeout_minutes` for a timeout in seconds.
+
+    megatron-core types the argument as whole minutes (default 30) but uses it only as
+    `timedelta(minutes=distributed_timeout_minutes)`, which takes a float: seconds / 60 gives
+    every TP/DP/PP/embedding group the same second-level timeout as the world group. The
+    alternative, megatron's `update_pg_timeout` after initialisation, calls
+    `torch.cuda.synchronize()` (which a CPU-only torch refuses) and torch's private
+    `_set_pg_timeout`. tests/test_megatron_compat.py reads the timeouts off the groups."""
+    return timeout_s / 60
+
+
 def apply() -> None:
     """Apply every patch once (the CPU ones only without CUDA)."""
     global _applied

@@ -97,7 +97,7 @@ class RankMemory:
 
 
 def dwa_reads(model) -> dict[int, list[int]]:
-    """For each block i with a DWA, the j of the X_j it reads (S_i, DESIGN.md section 2)."""
+    """For each block i with a DWA, the j of the X_j it reads (S_i, docs/design.md)."""
     d, k, p = model.n_layers, model.dwa_dilation, model.dwa_period
     if not model.dwa:
         return {}

@@ -72,7 +72,7 @@ class StageModel(nn.Module):
     load_dwa_matrix = DenseFormer.load_dwa_matrix
 
     def block(self, i: int) -> Block:
-        """Block i (numbered from 1, as in DESIGN.md)."""
+        """Block i (numbered from 1, as in docs/design.md)."""
         return self.blocks[str(i - 1)]
 
     def num_params(self, non_embedding: bool = False) -> int:

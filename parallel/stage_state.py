@@ -1,4 +1,4 @@
-"""The cross-stage DWA state of a pipelined DenseFormer (DESIGN.md section 4).
+"""The cross-stage DWA state of a pipelined DenseFormer (docs/design.md#the-boundary-state-bound).
 
 Index conventions (pretrain/model/config.py): blocks are numbered 1..d, X_0 is the embedding
 output, block i maps Y_{i-1} to X_i, and the DWA after block i (if any) is

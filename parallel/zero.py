@@ -22,7 +22,7 @@ refuses 2 and 3, as GPT-NeoX does). The model-parallel groups reach DeepSpeed th
 Gradient accumulation is DeepSpeed's "unmanaged" mode: `backward` accumulates locally and
 `step` is the accumulation boundary. Stages 0 and 1 keep plain `.grad` tensors until `step`,
 so the sequence-parallel reduction (`parallel.tensor`) and an external pipeline schedule
-(DESIGN.md section 4: backward outside the engine, gradients already the mean over
+(docs/pipeline.md: backward outside the engine, gradients already the mean over
 micro-batches, then `step`) need nothing else.
 
 Precision: fp32, or DeepSpeed's bf16 mode (bf16 parameters and gradients, fp32 master
@@ -54,7 +54,11 @@ class MegatronMPU:
     """megatron-core's parallel_state under the names DeepSpeed calls as its `mpu`.
 
     Data parallel is the DP group; "model parallel" is the TP x PP group (DeepSpeed sums
-    gradient norms over it and counts replicated parameters on tensor-parallel rank 0)."""
+    gradient norms over it and counts replicated parameters on tensor-parallel rank 0).
+    Given these, DeepSpeed 0.19.8 creates no process group of its own (its `new_group` calls
+    pass no timeout, so they would get torch's 30 minutes): every collective it issues runs
+    on megatron-core's groups or torch's default group, both built with parallel.timeout_s
+    (tests/test_timeouts.py reads the timeout of every group after a ZeRO step)."""
 
     def __init__(self):
         from megatron.core import parallel_state

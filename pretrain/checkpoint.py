@@ -83,18 +83,24 @@ def write_parts(directory: Path, state: dict[str, Any]) -> None:
         path = directory / _part_file(name)
         if name == "meta":
             try:
-                text = json.dumps(part, indent=1)
+                data = json.dumps(part, indent=1).encode()
             except (TypeError, ValueError) as err:
                 raise TypeError(f"checkpoint part 'meta' is not JSON-serialisable: {err}") from err
-            path.write_text(text)
-        else:
-            torch.save(part, path)
-        with open(path, "rb+") as f:
+        # Through a Python file object: a full disk is then OSError(ENOSPC), where
+        # torch.save(obj, path) reports only "unexpected pos" from its C++ writer.
+        with open(path, "wb") as f:
+            if name == "meta":
+                f.write(data)
+            else:
+                torch.save(part, f)
+            f.flush()
             os.fsync(f.fileno())
 
 
-def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int) -> Path:
-    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune; the final path."""
+def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
+                        protect: Path | None = None) -> Path:
+    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune (never `protect`);
+    the final path."""
     tmp_dir, ckpt_root = Path(tmp_dir), Path(ckpt_root)
     files, parts = {}, {}
     for path in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
@@ -120,16 +126,18 @@ def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int) ->
     _fsync_dir(ckpt_root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    prune_checkpoints(ckpt_root, keep)
+    prune_checkpoints(ckpt_root, keep, protect)
     return final
 
 
-def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Atomically write `state` as ckpt_root/step-XXXXXXXX and keep the newest `keep` (0: all)."""
+def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], keep: int,
+                    protect: Path | None = None) -> Path:
+    """Atomically write `state` as ckpt_root/step-XXXXXXXX and keep the newest `keep` (0: all)
+    plus `protect`."""
     tmp_dir = new_tmp_dir(ckpt_root, step)
     try:
         write_parts(tmp_dir, state)
-        return finalize_checkpoint(tmp_dir, ckpt_root, step, keep)
+        return finalize_checkpoint(tmp_dir, ckpt_root, step, keep, protect)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -193,18 +201,21 @@ def latest_checkpoint(ckpt_root: Path, verify_hashes: bool = False) -> Path | No
     return None
 
 
-def prune_checkpoints(ckpt_root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (0: keep all) and stale temp dirs."""
+def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep` complete checkpoints (0: keep all) and stale temp dirs;
+    `protect` (e.g. the last checkpoint before a run of skipped steps) is never deleted."""
     ckpt_root = Path(ckpt_root)
     for path in ckpt_root.iterdir():
-        # One writer per run directory: any temp dir still here was left by a killed save.
+        # One writer per run directory (the run-directory lock, pretrain/run_dir.py): any
+        # temp dir still here was left by a killed save.
         if path.is_dir() and path.name.startswith((".tmp-step-", ".trash-step-")):
             shutil.rmtree(path, ignore_errors=True)
     if keep <= 0:
         return
     complete = [path for _, path in list_checkpoints(ckpt_root) if _is_complete(path, False)]
     for path in complete[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+        if protect is None or path.resolve() != Path(protect).resolve():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",

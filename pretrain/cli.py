@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain.exit_codes import EXIT_USAGE
+from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -37,8 +37,18 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides,
                       world_size=int(os.environ.get("WORLD_SIZE", 1)))
     # Handlers first: a signal during set-up stops the run after its first step, cleanly.
-    with StopRequest() as stop, distributed_session():
-        return run_training(cfg, stop)
+    try:
+        with StopRequest() as stop, distributed_session():
+            return run_training(cfg, stop)
+    except RuntimeError as err:  # a peer that is gone: one line instead of gloo's traceback
+        from parallel.groups import peer_lost
+
+        line = peer_lost(err, cfg.parallel.timeout_s)
+        if line is None:
+            raise
+        print(f"error (rank {os.environ.get('RANK', '0')}): {line}; checkpoints already "
+              "written are intact", file=sys.stderr, flush=True)
+        return 1
 
 
 def cmd_config(args) -> int:
@@ -77,8 +87,11 @@ def cmd_eval(args) -> int:
             raise ConfigError("--run", f"no complete checkpoint under {args.run}/checkpoints")
     else:
         path = Path(args.checkpoint)
+        if not path.is_dir():
+            raise ConfigError("--checkpoint", f"{path} is not a checkpoint directory")
     run_dir = path.parent.parent
-    cfg = load_config(run_dir / "config.yaml", args.overrides)
+    # run.dir: configs saved before it was recorded may say null with resume=auto
+    cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}", *args.overrides])
     state = checkpoint.load_checkpoint(path)
     with distributed_session():
         groups.ensure_initialized()
@@ -87,11 +100,22 @@ def cmd_eval(args) -> int:
         device = groups.default_device()
         model.to(device)
         result = evaluate(model, cfg.data.path, cfg.train.batch_size, dp_rank=0, dp_size=1,
-                          dp_group=None, max_batches=cfg.data.val_batches, device=device,
-                          dtype=compute_dtype(cfg, device))
+                          dp_group=None, max_batches=max(1, cfg.data.val_batches),
+                          device=device, dtype=compute_dtype(cfg, device),
+                          seq_len=cfg.model.seq_len)
     print(f"checkpoint {path} (step {state['meta']['step']}): val_loss "
           f"{result['val_loss']:.4f} val_ppl {result['val_ppl']:.2f}")
     return 0
+
+
+# Said on the last line of a failed run: torchrun reports every non-zero status as 1, so
+# its log is where the reason survives.
+_STATUS_MEANING = {
+    EXIT_USAGE: "bad config, data, checkpoint or run directory; nothing more was trained",
+    EXIT_NONFINITE: "the loss diverged (NaN/inf); resume from the last good checkpoint",
+    EXIT_SAVE_FAILED: "a checkpoint could not be written; the previous ones are intact",
+    EXIT_PREEMPTED: "stopped on a signal after a checkpoint; resume with train.resume=auto",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval}[args.command]
     try:
-        return command(args)
+        status = command(args)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        status = EXIT_USAGE
+    if status in _STATUS_MEANING and os.environ.get("RANK", "0") == "0":
+        print(f"exit status {status}: {_STATUS_MEANING[status]}", file=sys.stderr, flush=True)
+    return status

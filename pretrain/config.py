@@ -4,8 +4,10 @@
 
 Every section has defaults that run. A YAML file may name a `base:` file (relative to itself)
 whose values it overrides. Unknown keys, wrong types and inconsistent values raise
-ConfigError naming the dotted key, before any rank is spawned. The key reference is
-docs_config.md (merged into README.md).
+ConfigError naming the dotted key, before any rank is spawned. Each numeric key states its
+valid range next to its default (`ranged`, checked by `validate`; NaN and inf are never
+valid); docs/configuration-ranges.md lists them (`ranges_markdown`), docs/configuration.md
+describes the keys.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from pretrain.model.config import DenseFormerConfig, ModelConfigError
+from pretrain.model.config import (
+    RANGE,
+    DenseFormerConfig,
+    ModelConfigError,
+    Range,
+    numeric_kind,
+    ranged,
+)
 
 
 class ConfigError(ValueError):
@@ -44,16 +53,17 @@ class RunSection:
 
 
 def _model_section_fields() -> list[tuple[str, Any, Any]]:
-    """DenseFormerConfig's fields, except that vocab_size may be None (taken from the data)."""
+    """DenseFormerConfig's fields and ranges; vocab_size may be None (taken from the data)."""
     hints = typing.get_type_hints(DenseFormerConfig)
     fields = []
     for f in dataclasses.fields(DenseFormerConfig):
         if f.name == "vocab_size":
-            fields.append((f.name, int | None, field(default=None)))
+            fields.append((f.name, int | None, field(default=None, metadata=f.metadata)))
         elif f.default is not dataclasses.MISSING:
-            fields.append((f.name, hints[f.name], field(default=f.default)))
+            fields.append((f.name, hints[f.name], field(default=f.default, metadata=f.metadata)))
         else:
-            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory)))
+            fields.append((f.name, hints[f.name], field(default_factory=f.default_factory,
+                                                        metadata=f.metadata)))
     return fields
 
 
@@ -83,59 +93,71 @@ ModelSection.__module__ = __name__  # make_dataclass(module=...) needs Python 3.
 @dataclass
 class DataSection:
     path: str | None = None  # a tokenised dataset directory (data_pipeline output)
-    num_workers: int = 0
-    val_batches: int = 20  # batches per validation
+    num_workers: int = ranged(0, ge=0)
+    val_batches: int = ranged(20, ge=0)  # batches per validation; 0 switches validation off
 
 
 @dataclass
 class OptimSection:
-    lr: float = 1e-3
-    min_lr: float = 1e-4  # floor of the cosine decay
-    warmup_steps: int | None = None  # None: 5% of train.steps
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = ranged(1e-3, gt=0)
+    min_lr: float = ranged(1e-4, ge=0, also="<= optim.lr")  # floor of the cosine decay
+    # None: 5% of train.steps
+    warmup_steps: int | None = ranged(None, ge=0, also="< train.steps")
+    beta1: float = ranged(0.9, ge=0, lt=1)
+    beta2: float = ranged(0.95, ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    weight_decay: float = ranged(0.1, ge=0)
     decay_alphas: bool = False  # weight decay on DWA alphas (the paper's code does not)
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping
 
 
 @dataclass
 class TrainSection:
-    steps: int = 100
-    seed: int = 0
-    batch_size: int = 8  # global batch in sequences, whatever the layout
+    steps: int = ranged(100, ge=1)
+    seed: int = ranged(0, ge=0)  # the data order's numpy SeedSequence needs >= 0
+    # The global batch in sequences, whatever the layout.
+    batch_size: int = ranged(8, ge=1, also="a multiple of dp x parallel.microbatches")
     resume: str | None = None  # None, "auto" (latest checkpoint of run.dir) or a checkpoint path
-    stop_at: int | None = None  # stop (checkpoint and exit) after this step; schedule uses steps
-    eval_every: int = 0  # 0: validate only at the end
-    log_every: int = 10
+    # Stop (checkpoint and exit) after this step; the schedule uses steps.
+    stop_at: int | None = ranged(None, ge=1, also="<= train.steps")
+    eval_every: int = ranged(0, ge=0)  # 0: validate only at the end (when data.val_batches > 0)
+    log_every: int = ranged(10, ge=1)
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     on_nan: Literal["stop", "skip"] = "stop"
+    # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
+    max_consecutive_skips: int = ranged(10, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 @dataclass
 class ParallelSection:
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1  # per data-parallel rank per step (= gradient accumulation)
-    zero_stage: int = 0
+    tp: int = ranged(1, ge=1, also="divides model.n_heads and the padded vocabulary")
+    pp: int = ranged(1, ge=1, also="<= model.n_layers")
+    # Per data-parallel rank per step (= gradient accumulation).
+    microbatches: int = ranged(1, ge=1, also="divides train.batch_size; with virtual_stages "
+                                             "> 1, a multiple of pp or < 2 x pp")
+    zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
     sequence_parallel: bool = False
-    # Pipeline (docs_pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
+    # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
     # per stage in order (null: balanced), and what crosses stage boundaries.
-    virtual_stages: int = 1
+    virtual_stages: int = ranged(1, ge=1, also="> 1 needs pp > 1; pp x virtual_stages <= "
+                                                    "model.n_layers")
     pp_split: list[int] | None = None
     pp_transfer: Literal["optimal", "raw"] = "optimal"
     # Activation checkpointing (parallel/checkpointing.py): recompute units of
     # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
     activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
-    checkpoint_every: int = 1
+    checkpoint_every: int = ranged(1, ge=1, also="<= model.n_layers; 1 with pp > 1")
+    # Timeout of every collective (world, megatron-core and DeepSpeed groups): a hung or
+    # stopped peer ends the job after this long instead of holding every rank (a day at most:
+    # longer is a hang, not a slow collective).
+    timeout_s: int = ranged(600, ge=1, le=86400)
 
 
 @dataclass
 class CheckpointSection:
-    every: int = 0  # 0: only at the end (or at stop_at / on a stop signal)
-    keep: int = 3  # newest complete checkpoints kept; 0 keeps all
+    every: int = ranged(0, ge=0)  # 0: only at the end (or at stop_at / on a stop signal)
+    keep: int = ranged(3, ge=0)  # newest complete checkpoints kept; 0 keeps all
 
 
 @dataclass
@@ -143,6 +165,8 @@ class TrackingSection:
     uri: str | None = None  # None: sqlite:///<run.dir>/mlflow.db
     experiment: str = "denseformer"
     enabled: bool = True
+    # false: an unreachable tracking server costs one warning (metrics.jsonl is still written)
+    required: bool = True
 
 
 @dataclass
@@ -253,13 +277,30 @@ def _unknown(key: str, name: str, known: Sequence[str]) -> ConfigError:
 # Loading
 
 
+def _read_text(path: Path, named_by: Path | None) -> str:
+    """The text of a config file, or ConfigError naming it (and the file whose base it is)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        problem = "does not exist"
+    except IsADirectoryError:
+        problem = "is a directory, not a YAML file"
+    except UnicodeDecodeError:
+        problem = "is not a UTF-8 text file"
+    except OSError as err:
+        problem = f"cannot be read: {err.strerror}"
+    if named_by is None:
+        raise ConfigError(str(path), f"config file {problem}")
+    raise ConfigError("base", f"{path}, named as the base of {named_by}, {problem}")
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """The mapping in `path`, merged over its `base:` file if it names one."""
     path = path.resolve()
     if path in seen:
         raise ConfigError("base", f"cycle of base files through {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
+        data = yaml.load(_read_text(path, seen[-1] if seen else None), Loader=_Loader)
     except yaml.YAMLError as err:
         raise ConfigError(str(path), f"not valid YAML: {err}") from None
     if data is None:
@@ -310,8 +351,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (),
-                world_size: int | None = None) -> Config:
-    """Defaults, then the YAML file (if any), then `section.key=value` overrides; validated."""
+                world_size: int | None = None, check: bool = True) -> Config:
+    """Defaults, then the YAML file (if any), then `section.key=value` overrides; validated
+    unless `check` is false (keys and types are checked always)."""
     cfg = Config()
     if path is not None:
         for section, values in _read_yaml(Path(path)).items():
@@ -325,7 +367,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
                 _apply(cfg, f"{section}.{name}", value)
     for item in overrides:
         _apply(cfg, *_parse_override(item))
-    validate(cfg, world_size)
+    if check:
+        validate(cfg, world_size)
     return cfg
 
 
@@ -363,8 +406,6 @@ def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
     """Stage count, explicit split and micro-batch count against the pipeline schedule."""
     from parallel.plan import schedule_problem
 
-    _check(p.virtual_stages >= 1, "parallel.virtual_stages",
-           f"must be >= 1, got {p.virtual_stages}")
     _check(p.virtual_stages == 1 or p.pp > 1, "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pp > 1 (interleaved 1F1B)")
     stages = p.pp * p.virtual_stages
@@ -382,47 +423,74 @@ def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
     _check(problem is None, "parallel.microbatches", f"{p.microbatches}: {problem}")
 
 
+def _numeric_fields(section: type) -> list[tuple[dataclasses.Field, Any]]:
+    """The int and float fields (nullable or not) of a section dataclass, with their hints."""
+    hints = typing.get_type_hints(section)
+    return [(f, hints[f.name]) for f in dataclasses.fields(section)
+            if numeric_kind(hints[f.name])[0] is not None]
+
+
+def valid_range(section_name: str, f: dataclasses.Field) -> Range:
+    """The stated Range of a numeric field; TypeError for a field that states none."""
+    if RANGE not in f.metadata:
+        raise TypeError(f"{section_name}.{f.name}: a numeric config key needs a valid range: "
+                        "declare it with ranged(default, ge=..., ...)")
+    return f.metadata[RANGE]
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Every numeric value is finite and in its field's Range (null where the type allows)."""
+    for section_name, section_type in SECTIONS.items():
+        section = getattr(cfg, section_name)
+        for f, hint in _numeric_fields(section_type):
+            value = getattr(section, f.name)
+            if value is None:
+                continue  # _coerce has checked that the type allows null
+            problem = valid_range(section_name, f).problem(value, numeric_kind(hint)[1])
+            _check(problem is None, f"{section_name}.{f.name}", problem)
+
+
+def ranges_markdown() -> str:
+    """The table of numeric keys: key | type | default | valid range (for the docs)."""
+    rows = ["| key | type | default | valid range |", "| --- | --- | --- | --- |"]
+    for section_name, section_type in SECTIONS.items():
+        for f, hint in _numeric_fields(section_type):
+            kind, nullable = numeric_kind(hint)
+            valid = valid_range(section_name, f)
+            rows.append(f"| `{section_name}.{f.name}` | {kind.__name__}"
+                        f"{' or null' if nullable else ''} | {_default_text(f)} | "
+                        f"{'null or ' if nullable else ''}{valid}"
+                        f"{'; ' + valid.also if valid.also else ''} |")
+    return "\n".join(rows) + "\n"
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    return "null" if f.default is None else repr(f.default)
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError for the first invalid or inconsistent value (world checks if known)."""
     for section_name in SECTIONS:
         section = getattr(cfg, section_name)
         for name, hint in typing.get_type_hints(type(section)).items():
             _coerce(f"{section_name}.{name}", getattr(section, name), hint)
+    _check_ranges(cfg)
 
     m, o, t, p = cfg.model, cfg.optim, cfg.train, cfg.parallel
     # vocab_size null is filled from the data later; any valid size checks the other fields.
     model = m.build_config(m.vocab_size if m.vocab_size is not None
                            else max(1, m.vocab_pad_multiple))
 
-    _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
-    _check(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
-    _check(t.stop_at is None or 1 <= t.stop_at <= t.steps, "train.stop_at",
+    # Checks across fields; each field's own range is checked above.
+    _check(t.resume != "auto" or cfg.run.dir is not None, "train.resume",
+           "auto continues the run in run.dir, but run.dir is null (a new timestamped "
+           "directory every time): set run.dir to the run directory to resume")
+    _check(t.stop_at is None or t.stop_at <= t.steps, "train.stop_at",
            f"must be null or in [1, train.steps={t.steps}], got {t.stop_at}")
-    _check(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}")
-    _check(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
-    _check(cfg.data.num_workers >= 0, "data.num_workers",
-           f"must be >= 0, got {cfg.data.num_workers}")
-    _check(cfg.data.val_batches >= 1, "data.val_batches",
-           f"must be >= 1, got {cfg.data.val_batches}")
-    _check(cfg.checkpoint.every >= 0, "checkpoint.every",
-           f"must be >= 0, got {cfg.checkpoint.every}")
-    _check(cfg.checkpoint.keep >= 0, "checkpoint.keep", f"must be >= 0, got {cfg.checkpoint.keep}")
-
-    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
-    _check(0 <= o.min_lr <= o.lr, "optim.min_lr",
+    _check(o.min_lr <= o.lr, "optim.min_lr",
            f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
-    _check(o.warmup_steps is None or 0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
+    _check(o.warmup_steps is None or o.warmup_steps < t.steps, "optim.warmup_steps",
            f"must be null or in [0, train.steps={t.steps}), got {o.warmup_steps}")
-    for name in ("beta1", "beta2"):
-        value = getattr(o, name)
-        _check(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value}")
-    _check(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
-    _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
-    _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0 disables), got {o.grad_clip}")
-
-    for name in ("tp", "pp", "microbatches"):
-        value = getattr(p, name)
-        _check(value >= 1, f"parallel.{name}", f"must be >= 1, got {value}")
     _check(t.batch_size % p.microbatches == 0, "train.batch_size",
            f"{t.batch_size} sequences do not split into {p.microbatches} micro-batches")
     _check(model.n_heads % p.tp == 0, "parallel.tp",
@@ -439,13 +507,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(model.n_layers >= p.pp, "parallel.pp",
            f"pp={p.pp} stages need model.n_layers >= pp, got {model.n_layers}")
     _check_pipeline(p, model.n_layers)
-    _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage",
-           f"must be 0, 1, 2 or 3, got {p.zero_stage}")
     _check(p.zero_stage < 2 or (p.tp == 1 and p.pp == 1), "parallel.zero_stage",
            f"ZeRO-{p.zero_stage} is refused with tp={p.tp}, pp={p.pp}: GPT-NeoX/DeepSpeed only "
            "support ZeRO-1 with model parallelism (with PP, ZeRO-2's gradient hooks fire once "
            "per micro-batch); use zero_stage 0 or 1")
-    _check(1 <= p.checkpoint_every <= model.n_layers, "parallel.checkpoint_every",
+    _check(p.checkpoint_every <= model.n_layers, "parallel.checkpoint_every",
            f"must be in [1, model.n_layers={model.n_layers}] blocks, got {p.checkpoint_every}")
     _check(p.pp == 1 or (p.activation_checkpointing in ("none", "block")
                          and p.checkpoint_every == 1), "parallel.activation_checkpointing",

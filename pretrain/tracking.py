@@ -4,10 +4,16 @@ metrics.jsonl is the authoritative per-run log (one JSON object per line, writte
 rank 0); on resume it is cut back to the checkpoint's step. MLflow mirrors it: params once
 per run, metrics, tags, artifacts; a resumed job continues the same MLflow run (its id is
 kept in the checkpoint meta). MLflow is imported lazily: it costs seconds.
+
+MLflow is a mirror, so it fails fast and quietly: every request is bounded (HTTP_BOUNDS), a
+store that cannot be reached at start-up stops the run with exit status 2 (or, with
+tracking.required=false, costs one warning), and a write that fails later warns once and is
+counted at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,10 +21,11 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import Config, flat_params
+from pretrain.config import Config, ConfigError, flat_params
 
 log = logging.getLogger(__name__)
 
@@ -102,47 +109,166 @@ def default_tracking_uri(run_dir: str | Path) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
-def _quiet_mlflow() -> None:
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+# MLflow's own defaults retry a failed HTTP request 7 times with back-off up to 120 s: an
+# unreachable server is reported after about 265 s. These bound every request the Tracker
+# makes to 3 attempts of at most 5 s each (about 20 s in all), so a server that is down
+# fails the run at start-up, and one that dies mid-run costs seconds, not minutes.
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+# After a failed write to a tracking server, later writes are skipped (and counted) for this
+# long instead of each waiting out the bounds above: a dead server must not stall training.
+RETRY_AFTER_FAILURE_S = 60.0
+# The launcher (slurm/launch.py) hands a sweep run's tags to training in this variable, a
+# JSON object; the Tracker sets them when it creates the MLflow run.
+RUN_TAGS_ENV = "DENSEFORMER_MLFLOW_TAGS"
+
+
+class _NoRetryChatter(logging.Filter):
+    """Drops urllib3's "Retrying (...) after connection broken" lines: one failed MLflow
+    call would print one per attempt; the Tracker says once what failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Retrying (")
+
+
+_NO_RETRY_CHATTER = _NoRetryChatter()
+
+
+@contextlib.contextmanager
+def bounded_http_requests() -> Iterator[None]:
+    """Apply HTTP_BOUNDS to the MLflow calls inside; a variable the user set wins.
+
+    MLflow reads these variables at each request, and offers no per-client setting, so they
+    are set in os.environ for the duration of the block only and removed after it: nothing
+    else in the process (or started by it later) sees them."""
+    added = [name for name in HTTP_BOUNDS if name not in os.environ]
+    for name in added:
+        os.environ[name] = HTTP_BOUNDS[name]
+    urllib3_log = logging.getLogger("urllib3.connectionpool")
+    urllib3_log.addFilter(_NO_RETRY_CHATTER)
+    try:
+        yield
+    finally:
+        urllib3_log.removeFilter(_NO_RETRY_CHATTER)
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient for `uri`, without MLflow's INFO lines ("Creating initial MLflow
+    database tables", alembic's migrations) unless MLFLOW_LOGGING_LEVEL asks for them."""
+    from mlflow.tracking import MlflowClient
+
+    # The first `import mlflow` sets the "mlflow" logger to INFO with its own handler
+    # (mlflow.utils.logging_utils._configure_mlflow_loggers), overriding any level set before
+    # the import; so the level is set here, after it. MLflow already keeps alembic at WARNING.
+    if not os.environ.get("MLFLOW_LOGGING_LEVEL"):
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    return MlflowClient(tracking_uri=uri)
+
+
+def run_tags_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The run tags in $DENSEFORMER_MLFLOW_TAGS (a JSON object), {} when it is unset."""
+    text = (os.environ if environ is None else environ).get(RUN_TAGS_ENV, "")
+    if not text:
+        return {}
+    try:
+        tags = json.loads(text)
+    except ValueError as err:
+        raise ConfigError("tracking", f"${RUN_TAGS_ENV} is not valid JSON ({err}): "
+                          f"{text[:200]!r}") from None
+    if not isinstance(tags, dict):
+        raise ConfigError("tracking", f"${RUN_TAGS_ENV} must be a JSON object of tags, got "
+                          f"{text[:200]!r}")
+    return {str(k): str(v) for k, v in tags.items()}
+
+
+def _is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def _reason(err: BaseException) -> str:
+    """Why an MLflow call failed, in a few words (MLflow's messages run to a paragraph)."""
+    text = str(err)
+    lowered = text.lower()
+    if "refused" in lowered:
+        return "connection refused"
+    if "timed out" in lowered or "timeout" in lowered:
+        timeout = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT",
+                                 HTTP_BOUNDS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+        return f"no answer within {timeout} s"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(err).__name__}: {first[:300]}"
 
 
 class Tracker:
-    """One MLflow run: created, or continued when `run_id` is given; no-op when disabled."""
+    """One MLflow run: created, or continued when `run_id` is given; no-op when disabled.
+
+    A store that cannot be used at start-up is a ConfigError naming tracking.uri (exit 2),
+    or, with tracking.required=false, one warning and no MLflow for this run. A failed write
+    later warns once; finish() reports how many failed. metrics.jsonl has every record."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, run_id: str | None = None,
-                 enabled: bool = True):
-        """Open the store, get or create the experiment, start or continue the run."""
+                 enabled: bool = True, tags: Mapping[str, Any] | None = None):
+        """Open the store, get or create the experiment, start or continue the run.
+
+        `tags`: set on the run when it is created (and again on resume); None takes them
+        from $DENSEFORMER_MLFLOW_TAGS, which the Slurm launcher sets for sweep runs."""
         self.enabled = enabled and cfg.tracking.enabled
         self.run_id: str | None = run_id
         self._finished = False
-        self._warned = 0
+        self.failed_writes = 0
+        self._skip_until = 0.0
         if not self.enabled:
             return
-        _quiet_mlflow()
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
-
+        run_tags = run_tags_from_env() if tags is None else {k: str(v)
+                                                             for k, v in tags.items()}
         self.uri = cfg.tracking.uri or default_tracking_uri(run_dir)
-        self._client = MlflowClient(tracking_uri=self.uri)
-        if run_id is None:
+        started = time.monotonic()
+        try:
+            with bounded_http_requests():
+                self._client = mlflow_client(self.uri)
+                self._open(cfg, run_tags)
+        except Exception as err:
+            if isinstance(err, _RunNotFound):
+                problem = str(err)
+            else:
+                problem = (f"cannot reach the MLflow tracking store {self.uri} "
+                           f"({_reason(err)}; gave up after "
+                           f"{time.monotonic() - started:.0f} s)")
+            if cfg.tracking.required:
+                raise ConfigError("tracking.uri", f"{problem}: start the server or fix "
+                                  "tracking.uri, or set tracking.required=false to train "
+                                  "with metrics.jsonl only") from None
+            log.warning("warning: %s; training continues without MLflow "
+                        "(tracking.required=false): metrics.jsonl has every record", problem)
+            self.enabled = False
+
+    def _open(self, cfg: Config, run_tags: dict[str, str]) -> None:
+        from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
+
+        if self.run_id is None:
             experiment_id = self._experiment_id(cfg.tracking.experiment)
-            tags = {"git_commit": git_commit(), "mlflow.source.git.commit": git_commit(),
-                    "host": socket.gethostname()}
+            commit = git_commit()
+            tags = {"git_commit": commit, "mlflow.source.git.commit": commit,
+                    "host": socket.gethostname(), **run_tags}
             run = self._client.create_run(experiment_id, run_name=cfg.run.name, tags=tags)
             self.run_id = run.info.run_id
             params = [Param(k, str(v)) for k, v in flat_params(cfg).items()]
             self._client.log_batch(self.run_id, params=params)
-        else:
-            from mlflow.exceptions import MlflowException
-
-            try:
-                run = self._client.get_run(run_id)
-            except MlflowException as err:
-                raise RuntimeError(f"MLflow run {run_id} not found in {self.uri}: {err}") from None
-            self._client.update_run(run_id, status="RUNNING")
-            resumes = int(run.data.tags.get("resume_count", "0")) + 1
-            self._client.set_tag(run_id, "resume_count", str(resumes))
+            return
+        try:
+            run = self._client.get_run(self.run_id)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise _RunNotFound(f"MLflow run {self.run_id} (named in the checkpoint) not "
+                               f"found in {self.uri}") from None
+        self._client.update_run(self.run_id, status="RUNNING")
+        resumes = int(run.data.tags.get("resume_count", "0")) + 1
+        tags = {**run_tags, "resume_count": str(resumes)}
+        self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -160,15 +286,23 @@ class Tracker:
         except MlflowException:  # created meanwhile by another job of the array
             return self._client.get_experiment_by_name(name).experiment_id
 
-    def _guard(self, what: str, fn: Any, *args: Any) -> None:
-        """Run an MLflow call; a failure warns instead of killing a long training run."""
+    def _guard(self, what: str, fn: Any, *args: Any, always: bool = False) -> None:
+        """Run an MLflow write; a failure warns (the first time) instead of killing a long
+        training run, and is counted."""
+        if not always and time.monotonic() < self._skip_until:
+            self.failed_writes += 1  # the server failed moments ago: don't wait on it again
+            return
         try:
-            fn(*args)
+            with bounded_http_requests():
+                fn(*args)
         except Exception as err:
-            self._warned += 1
-            if self._warned <= 5:
-                log.warning("MLflow %s failed (%s: %s); training continues",
-                            what, type(err).__name__, err)
+            self.failed_writes += 1
+            if _is_remote(self.uri):
+                self._skip_until = time.monotonic() + RETRY_AFTER_FAILURE_S
+            if self.failed_writes == 1:
+                log.warning("warning: MLflow %s failed (%s); training continues, metrics.jsonl "
+                            "has every record; later failures are only counted", what,
+                            _reason(err))
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         """Log the numeric values of `metrics` at `step` (others are skipped)."""
@@ -199,13 +333,17 @@ class Tracker:
                     artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
-        """End the run with FINISHED, FAILED or KILLED (once; later calls do nothing)."""
+        """End the run with FINISHED, FAILED or KILLED (once; later calls do nothing), and
+        say how many MLflow writes failed, if any."""
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
         if not self.enabled or self._finished:
             return
         self._finished = True
-        self._guard("finish", self._client.set_terminated, self.run_id, status)
+        self._guard("finish", self._client.set_terminated, self.run_id, status, always=True)
+        if self.failed_writes:
+            log.warning("warning: %d MLflow writes failed; metrics.jsonl has everything",
+                        self.failed_writes)
 
     def __enter__(self) -> Tracker:
         return self
@@ -215,6 +353,10 @@ class Tracker:
             self.finish("FINISHED")
         else:
             self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+class _RunNotFound(RuntimeError):
+    """The MLflow run a resumed job continues is not in the store."""
 
 
 def _as_metric(value: Any) -> float | None:

@@ -2,13 +2,16 @@
 
 One code path for every launch: a plain `python -m pretrain train` is a 1-rank world; under
 torchrun or Slurm the ranks form a TP x DP grid (megatron-core order, TP fastest). Data is
-read by sample (DESIGN.md section 7), so the global batch of a step is the same whatever the
-number of data-parallel ranks, and a resumed run sees exactly the samples it would have seen.
+read by sample (docs/data.md#sample-order-and-exact-resume), so the global batch of a step
+is the same whatever the number of data-parallel ranks, and a resumed run sees exactly the
+samples it would have seen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import hashlib
 import math
 import sys
@@ -23,14 +26,20 @@ from tqdm import tqdm
 from parallel import groups
 from parallel.layout import Layout, average_gradients, gradient_norm, setup_layout
 from parallel.tensor import allreduce_sequence_parallel_grads
-from pretrain.config import Config, ConfigError, save_config
+from pretrain.checkpoint import checkpoint_dir
+from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
-from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED
+from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from pretrain.run_dir import agreed_on_rank0
 from pretrain.signals import StopRequest
 
 
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/inf loss or gradient norm."""
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (raised on every rank, with rank 0's OS error)."""
 
 
 def resolve_run_dir(cfg: Config, layout: Layout) -> Path:
@@ -65,6 +74,7 @@ class Trainer:
         from pretrain import checkpoint
         from pretrain.model import DenseFormer
         from pretrain.optim import build_optimizer
+        from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
         self.layout = layout = setup_layout(cfg)
@@ -79,11 +89,20 @@ class Trainer:
         if self.index.seq_len < cfg.model.seq_len:
             raise ConfigError("model.seq_len", f"{cfg.model.seq_len} exceeds the data's "
                               f"sequence length {self.index.seq_len} ({cfg.data.path})")
+        val_samples = sum(s.num_samples for s in self.index.split_shards.get("val", []))
+        if cfg.data.val_batches and val_samples < cfg.train.batch_size:
+            raise ConfigError("data.path", f"{cfg.data.path} has {val_samples} validation "
+                              f"samples, fewer than one batch of train.batch_size="
+                              f"{cfg.train.batch_size}: prepare it with --val-fraction > 0, "
+                              "or set data.val_batches=0 to train without validation")
         cfg.model.vocab_size = self.index.vocab_size
         self.model_cfg = cfg.model.build_config(self.index.vocab_size)
+        self.fingerprint = fingerprint(config_to_dict(cfg)["model"],
+                                       self.index.tokenizer_sha256, cfg.train.seed)
         self.run_dir = resolve_run_dir(cfg, layout)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.resume_from = self._checkpoint_to_resume(checkpoint)
+        self.lock, self.resume_from = prepare_run_dir(
+            self.run_dir, self.ckpt_dir, cfg.train.resume, layout.is_main, layout.world)
 
         self.dtype = compute_dtype(cfg, layout.device)
         self.local_batch = cfg.train.batch_size // layout.dp
@@ -118,30 +137,27 @@ class Trainer:
                                   num_workers=cfg.data.num_workers)
         self.step = 0
         self.mlflow_run_id = None
+        self.saved_step: int | None = None  # step of the newest checkpoint this run wrote
+        self.skip_streak = 0  # consecutive skipped steps (train.on_nan=skip)
+        self.protected_checkpoint: Path | None = None  # kept from pruning during a streak
         if self.resume_from is not None:
-            self._load(checkpoint.load_checkpoint(self.resume_from))
+            # Rank 0 verified every hash when choosing it; the others check as they read.
+            self._load(checkpoint.load_checkpoint(self.resume_from,
+                                                  verify_hashes=not layout.is_main))
+            self.saved_step = self.step
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def _checkpoint_to_resume(self, checkpoint) -> Path | None:
-        resume = self.cfg.train.resume
-        if resume is None:
-            if checkpoint.latest_checkpoint(self.ckpt_dir) is not None:
-                raise ConfigError("train.resume", f"run.dir {self.run_dir} already holds "
-                                  "checkpoints: set train.resume=auto to continue that run, "
-                                  "or choose another run.dir")
-            return None
-        if resume == "auto":
-            return checkpoint.latest_checkpoint(self.ckpt_dir)
-        path = Path(resume)
-        if not path.is_dir():
-            raise ConfigError("train.resume", f"checkpoint {path} does not exist")
-        return path
-
     def _load(self, state: dict) -> None:
         from pretrain.model.state import load_full_model_state, load_full_optimizer_state
+        from pretrain.run_dir import fingerprint_mismatch
 
         meta = state["meta"]
+        if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
+            differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
+            if differ:
+                raise ConfigError("train.resume", f"{self.resume_from} was written by a "
+                                  "different run; these differ: " + "; ".join(differ))
         if self.zero is not None:
             self.zero.load_full_state(state["model"], state["optimizer"])
         elif self.pipeline is not None:
@@ -154,8 +170,9 @@ class Trainer:
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
 
-    def save(self) -> Path | None:
-        """Write a checkpoint of the current step (collective: TP shards are gathered)."""
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (collective: TP shards are gathered); every
+        rank gets its path, or SaveFailed with rank 0's error, at once."""
         from pretrain import checkpoint
         from pretrain.model.state import full_model_state, full_optimizer_state
 
@@ -171,18 +188,24 @@ class Trainer:
         else:
             model_state = full_model_state(self.model)
             optimizer_state = full_optimizer_state(self.model, self.optimizer)
-        path = None
+        outcome = [None, None]  # [path, error message]
         if self.layout.is_main:
             meta = {"step": self.step, "loader": self.loader.state_dict(),
                     "mlflow_run_id": self.mlflow_run_id, "layout": self.layout.name,
-                    "config": self.cfg.run.name}
-            path = checkpoint.save_checkpoint(
-                self.ckpt_dir, self.step,
-                {"model": model_state, "optimizer": optimizer_state, "meta": meta},
-                keep=self.cfg.checkpoint.keep)
-        if self.layout.world > 1:
-            dist.barrier()
-        return path
+                    "config": self.cfg.run.name, "fingerprint": self.fingerprint}
+            try:
+                outcome[0] = str(checkpoint.save_checkpoint(
+                    self.ckpt_dir, self.step,
+                    {"model": model_state, "optimizer": optimizer_state, "meta": meta},
+                    keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint))
+            except (OSError, RuntimeError) as err:  # torch.save reports I/O as RuntimeError
+                outcome[1] = _save_error(err, self.ckpt_dir, self.step)
+        if self.layout.world > 1:  # also the barrier: nobody runs ahead of the write
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[1] is not None:
+            raise SaveFailed(outcome[1])
+        self.saved_step = self.step
+        return Path(outcome[0])
 
     # -- one optimizer step --------------------------------------------------------------
 
@@ -250,12 +273,28 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         if not finite and cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm}")
+        self._count_skip(finite)
+        if self.skip_streak > cfg.train.max_consecutive_skips:
+            raise NonFiniteLoss(f"step {step}: {self.skip_streak} steps in a row skipped, more "
+                                f"than train.max_consecutive_skips="
+                                f"{cfg.train.max_consecutive_skips} (the run has diverged)")
         self.step = step
         record = {"step": step, "loss": loss if finite else None, "lr": lr,
                   "grad_norm": grad_norm if finite else None}
         if not finite:
             record["skipped"] = True
         return record
+
+    def _count_skip(self, finite: bool) -> None:
+        """Track the streak of skipped steps; its first step pins the checkpoint before it."""
+        from pretrain import checkpoint
+
+        if finite:
+            self.skip_streak, self.protected_checkpoint = 0, None
+            return
+        self.skip_streak += 1
+        if self.skip_streak == 1 and self.layout.is_main:
+            self.protected_checkpoint = checkpoint.latest_checkpoint(self.ckpt_dir)
 
 
 def _print_main(layout: Layout, *lines: str) -> None:
@@ -268,19 +307,32 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
     """Train as configured; returns the process exit status (pretrain.exit_codes).
 
     `stop`: signal handlers the caller installed before set-up (else installed here)."""
+    trainer = Trainer(cfg)
+    try:
+        return _train(trainer, stop)
+    finally:
+        if trainer.lock is not None:
+            trainer.lock.release()
+
+
+def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     from pretrain.mfu import measure_matmul_flops
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
-    trainer = Trainer(cfg)
-    layout, run_dir = trainer.layout, trainer.run_dir
+    cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
     main = layout.is_main
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    if main:  # with the directory resolved, so `eval --run` and resume=auto can reread it
+        save_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir))),
+                    run_dir / "config.yaml")
     resumed_at = trainer.step if trainer.resume_from is not None else None
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=resumed_at) if main else None
-    tracker = Tracker(cfg, run_dir, trainer.mlflow_run_id,
-                      enabled=main and cfg.tracking.enabled)
+    tracker = Tracker(cfg, run_dir, enabled=False)  # rank 0's replaces it below
+
+    def open_tracker() -> None:  # an unreachable store stops every rank at once (exit 2)
+        nonlocal tracker
+        tracker = Tracker(cfg, run_dir, trainer.mlflow_run_id, enabled=cfg.tracking.enabled)
+
+    agreed_on_rank0(open_tracker, main, layout.world)
     trainer.mlflow_run_id = tracker.run_id
     tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at)})
     if main:
@@ -300,6 +352,12 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
            if trainer.resume_from else "")))
     if trainer.pipeline is not None:
         _print_main(layout, *trainer.pipeline.describe())
+    if trainer.step >= stop_at:
+        _print_main(layout, (
+            f"nothing to train: the run is already at step {trainer.step} of "
+            f"{'train.stop_at' if cfg.train.stop_at else 'train.steps'}={stop_at}. To train "
+            "further, raise train.steps (the learning-rate schedule then stretches to the new "
+            "length), or start a new run.dir"))
 
     status, finish = 0, "FINISHED"
     progress = tqdm(total=stop_at, initial=trainer.step, disable=not main, desc="train",
@@ -325,30 +383,35 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
                         f"step {step}/{cfg.train.steps} loss {_fmt(record['loss'])} lr "
                         f"{record['lr']:.3e} grad_norm {_fmt(record['grad_norm'])} "
                         f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"))
-                if (cfg.train.eval_every and step % cfg.train.eval_every == 0) \
-                        or step == cfg.train.steps:
+                # The checkpoint first: nothing that validation does can lose this step.
+                every = cfg.checkpoint.every
+                if (every and step % every == 0) or step == stop_at:
+                    _print_main(layout, f"checkpoint: {trainer.save()}")
+                if cfg.data.val_batches and ((cfg.train.eval_every
+                                              and step % cfg.train.eval_every == 0)
+                                             or step == cfg.train.steps):
                     _validate(trainer, metrics, tracker)
                 if stop.agreed(layout.device):
-                    path = trainer.save()
+                    path = _checkpoint_of_this_step(trainer)
                     _print_main(layout, f"stopped on request after step {step}; "
                                 f"checkpoint {path}; exit status {EXIT_PREEMPTED}")
                     status, finish = EXIT_PREEMPTED, "KILLED"
                     break
-                every = cfg.checkpoint.every
-                if (every and step % every == 0) or step == stop_at:
-                    path = trainer.save()
-                    _print_main(layout, f"checkpoint: {path}")
     except NonFiniteLoss as err:
-        last = _latest(trainer)
         _print_main(layout, f"error: non-finite training loss at {err}; nothing was saved for "
-                    f"this step; last good checkpoint: {last} (set train.on_nan=skip to skip "
-                    "such steps)")
+                    f"this step; last good checkpoint: {_last_good(trainer)}"
+                    + ("" if cfg.train.on_nan == "skip" else
+                       " (set train.on_nan=skip to skip such steps)"))
         status, finish = EXIT_NONFINITE, "FAILED"
+    except SaveFailed as err:  # every rank says it: each has its own log under Slurm
+        tqdm.write(f"error (rank {layout.rank}): {err}", file=sys.stderr)
+        status, finish = EXIT_SAVE_FAILED, "FAILED"
     except BaseException:
         tracker.finish("FAILED")
         raise
     finally:
         progress.close()
+        trainer.loader.close()
     if main:
         plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss_curve.png")
         tracker.log_artifact(run_dir / "loss_curve.png")
@@ -364,21 +427,53 @@ def _fmt(value: float | None) -> str:
     return "nan (step skipped)" if value is None else f"{value:.4f}"
 
 
-def _latest(trainer: Trainer):
+def _last_good(trainer: Trainer) -> Path | None:
+    """The checkpoint a diverged run falls back to: the one pinned before the skip streak."""
     from pretrain import checkpoint
 
-    return checkpoint.latest_checkpoint(trainer.ckpt_dir)
+    return trainer.protected_checkpoint or checkpoint.latest_checkpoint(trainer.ckpt_dir)
+
+
+def _checkpoint_of_this_step(trainer: Trainer) -> Path:
+    """The checkpoint of the current step, written now unless it already was."""
+    if trainer.saved_step == trainer.step:
+        return checkpoint_dir(trainer.ckpt_dir, trainer.step)
+    return trainer.save()
+
+
+def _save_error(err: BaseException, ckpt_dir: Path, step: int) -> str:
+    """What a failed checkpoint write tells the user: the path, the OS error, what is kept."""
+    from pretrain import checkpoint
+
+    if isinstance(err, OSError):
+        name = errno.errorcode.get(err.errno, "")
+        where = f" ({err.filename})" if err.filename else ""
+        what = f"{err.strerror or err} [{name}]{where}"
+    else:
+        what = f"{type(err).__name__}: {err}"
+    return (f"cannot write the checkpoint of step {step} into {ckpt_dir}: {what}; the previous "
+            f"checkpoint {checkpoint.latest_checkpoint(ckpt_dir)} is intact")
 
 
 def _validate(trainer: Trainer, metrics, tracker) -> None:
+    """Validation loss of the current step; a failure exits 2 naming the data, after this
+    step's checkpoint is written (DataError)."""
+    from data_pipeline import DataError
+
     cfg, layout = trainer.cfg, trainer.layout
     model = trainer.pipeline or trainer.model  # the runner evaluates through the stages
     if trainer.zero is not None and trainer.pipeline is None:
         model = trainer.zero.module  # through DeepSpeed's hooks (ZeRO-3 gathers weights)
-    result = evaluate(model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
-                      dp_size=layout.dp, dp_group=layout.dp_group,
-                      max_batches=cfg.data.val_batches, device=layout.device,
-                      dtype=trainer.dtype)
+    try:
+        result = evaluate(model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
+                          dp_size=layout.dp, dp_group=layout.dp_group,
+                          max_batches=cfg.data.val_batches, device=layout.device,
+                          dtype=trainer.dtype, seq_len=trainer.model_cfg.seq_len)
+    except DataError as err:
+        path = _checkpoint_of_this_step(trainer)
+        raise DataError(f"validation at step {trainer.step} failed: {err}; checkpoint {path} "
+                        "is saved: fix the data, then evaluate it with `python -m pretrain "
+                        "eval` or resume with train.resume=auto") from err
     if layout.is_main:
         metrics.log({"step": trainer.step, **result})
         tracker.log_metrics(result, trainer.step)

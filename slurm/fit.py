@@ -1,12 +1,14 @@
 """`python -m slurm fit --experiment NAME [--tracking-uri URI]`: scaling laws from a sweep.
 
 Pulls every finished run of the experiment that carries the sweep tags (architecture, N, D,
-C; written by the sweep's array tasks) and its final validation loss (`val_loss`, logged at
-the last step), fits per architecture L(C) = A * C^(-alpha) and, when the grid allows,
-L(N, D) = E + A/N^a + B/D^b (slurm/scaling.py), prints the coefficients with standard
-errors and the compute multiplier of each architecture over the baseline (default
-`transformer`) at the given budgets, writes PNG plots and fit.json into --out, and logs them
-to MLflow as a run named `scaling-fit` (tag kind=scaling_fit) in the same experiment.
+C; set when a sweep task's training creates its run) and its final validation loss
+(`val_loss`, logged at the last step); an unfinished run (killed at its time limit, failed,
+still training) is reported and left out, never fitted from its last metrics. It fits per
+architecture L(C) = A * C^(-alpha) and, when the grid allows, L(N, D) = E + A/N^a + B/D^b
+(slurm/scaling.py), prints the coefficients with standard errors and the compute multiplier
+of each architecture over the baseline (default `transformer`) at the given budgets, writes
+PNG plots and fit.json into --out, and logs them to MLflow as a run named `scaling-fit` (tag
+kind=scaling_fit) in the same experiment.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ from slurm.scaling import (
 )
 
 FIT_KIND = "scaling_fit"
+# What an unfinished run's MLflow status says about its task. Its last logged metrics are
+# not used: a loss from part-way through a run is not the loss of its planned D tokens.
+UNFINISHED = {
+    "RUNNING": "still training, or killed without warning: time limit, node failure",
+    "KILLED": "stopped on a signal after a checkpoint, not yet resumed",
+    "FAILED": "training failed; see its Slurm log",
+    "SCHEDULED": "not started",
+}
 
 
 class FitError(ValueError):
@@ -73,7 +83,9 @@ def load_points(client, experiment: str, metric: str = "val_loss",
             if missing:
                 skipped.append(f"{name}: no sweep tags {missing}")
             elif run.info.status != "FINISHED":
-                skipped.append(f"{name}: status {run.info.status}")
+                skipped.append(f"{name}: unfinished, status {run.info.status} "
+                               f"({UNFINISHED.get(run.info.status, 'not finished')}): left "
+                               "out of the fit")
             elif metric not in run.data.metrics:
                 skipped.append(f"{name}: no {metric} metric")
             else:
@@ -203,6 +215,9 @@ def cmd_fit(args) -> int:
     """`python -m slurm fit`: pull, fit, print, plot, log to MLflow."""
     import os
 
+    from mlflow.exceptions import MlflowException
+
+    from pretrain.tracking import bounded_http_requests
     from slurm.sweep import mlflow_client
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -212,9 +227,18 @@ def cmd_fit(args) -> int:
                            "default store is sqlite:///<sweep dir>/mlflow.db")
         budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else None
         client = mlflow_client(uri)
-        points, skipped = load_points(client, args.experiment, args.metric, args.sweep)
+        try:
+            with bounded_http_requests():
+                points, skipped = load_points(client, args.experiment, args.metric,
+                                              args.sweep)
+        except MlflowException as err:
+            raise FitError(f"--tracking-uri {uri}: cannot read the store: {err}") from None
         for reason in skipped:
             print(f"skipped {reason}", file=sys.stderr)
+        unfinished = sum(": unfinished, status " in reason for reason in skipped)
+        if unfinished:
+            print(f"warning: {unfinished} run(s) with sweep tags are unfinished and left out "
+                  "of the fit; submitting the sweep again resumes them", file=sys.stderr)
         if not points:
             raise FitError(f"no finished runs with sweep tags and {args.metric} in "
                            f"{args.experiment!r}")

@@ -21,6 +21,7 @@ Nothing here needs Slurm: the tests start it twice on one machine as two "nodes"
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -160,7 +161,9 @@ def training_overrides(config: str, overrides: list[str], env: dict) -> list[str
     node and every restart, and train.resume=auto. Raises ConfigError for a bad config."""
     from pretrain.config import load_config
 
-    cfg = load_config(config, overrides)
+    # resume=auto needs a run.dir, which is decided here: read the rest first, then check all.
+    cfg = load_config(config, [*overrides, "train.resume=null"])
+    resume = load_config(config, overrides, check=False).train.resume
     extra = []
     job = env.get("SLURM_JOB_ID")
     if cfg.run.dir is None and job:
@@ -168,8 +171,9 @@ def training_overrides(config: str, overrides: list[str], env: dict) -> list[str
             job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         extra.append(f"run.dir={Path('runs').absolute() / f'{cfg.run.name}-{job}'}")
     restarted = _env_int(env, "SLURM_RESTART_COUNT", 0) > 0
-    if cfg.train.resume is None or restarted:
+    if resume is None or restarted:
         extra.append("train.resume=auto")
+    load_config(config, [*overrides, *extra])
     return [*overrides, *extra]
 
 
@@ -291,6 +295,12 @@ def launch(args: argparse.Namespace) -> int:
     else:
         print(f"launcher: error: mode {mode!r}: use torchrun or srun", file=sys.stderr)
         return EXIT_USAGE
+    if task is not None:
+        from pretrain.tracking import RUN_TAGS_ENV
+
+        # The MLflow run gets the sweep's tags when training creates it, so that a task
+        # killed before it ends (time limit, node failure) is still seen by `slurm fit`.
+        env[RUN_TAGS_ENV] = json.dumps(task.tags)
     print(f"launcher: {where}; config {config}"
           + (f" (sweep run {task.name})" if task else "")
           + (f"; overrides {' '.join(overrides)}" if overrides else ""),

@@ -13,7 +13,7 @@
 # $SLURM_LOCAL_SLURMD_PORT (6818). Needs root (slurmd starts jobs as the submitting user) and
 # Debian's slurm-wlm + munge (slurm/install_ci_deps.sh installs them).
 #
-# Settings that matter on small machines (DESIGN.md section 9): proctrack/linuxproc and
+# Settings that matter on small machines (docs/slurm.md#a-local-slurm-cluster): proctrack/linuxproc and
 # task/none (no cgroups or systemd needed), cons_tres with CR_Core (CR_Core_Memory without
 # DefMemPerCPU serialises jobs), JobRequeue=1, cred_expire=10 plus short scheduler intervals
 # (otherwise a requeued job waits about two minutes).

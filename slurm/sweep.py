@@ -10,15 +10,16 @@
 
 creates the MLflow experiment, and submits slurm/train.sbatch as one job array
 (--array=0-<n-1>%<max_parallel>) whose task i trains run i (`--sweep DIR`: the launcher
-reads the manifest). After each task, its MLflow run gets the sweep's tags (sweep_id,
-architecture, N, D, C, ...), which `python -m slurm fit` reads. Submitting the same sweep
-again resubmits it: finished runs end at once, interrupted ones resume.
+reads the manifest). Each task's MLflow run carries the sweep's tags (sweep_id,
+architecture, N, D, C, ...) from the moment training creates it (the launcher passes them in
+$DENSEFORMER_MLFLOW_TAGS), so `python -m slurm fit` sees every task, an unfinished one too;
+after each task the launcher adds its exit_status. Submitting the same sweep again resubmits
+it: finished runs end at once, interrupted ones resume.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
 import subprocess
@@ -115,12 +116,10 @@ def write_sweep(sweep: Sweep) -> Path:
 
 
 def mlflow_client(uri: str):
-    """An MlflowClient for `uri`, with MLflow's and alembic's INFO logging silenced."""
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    from mlflow.tracking import MlflowClient
+    """An MlflowClient for `uri`, with MLflow's INFO logging silenced (pretrain.tracking)."""
+    from pretrain.tracking import mlflow_client as quiet_client
 
-    return MlflowClient(tracking_uri=uri)
+    return quiet_client(uri)
 
 
 def ensure_experiment(uri: str, name: str, tags: dict[str, str] | None = None) -> str:
@@ -244,19 +243,23 @@ def find_run_id(task: SweepTask, client) -> str | None:
 
 
 def tag_finished_task(task: SweepTask, status: int) -> None:
-    """Give the task's MLflow run the sweep's tags; a failure only warns."""
+    """Add the task's exit status to its MLflow run (the sweep's tags were set when training
+    created the run; they are set again here); a failure only warns."""
     try:
         from mlflow.entities import RunTag
 
-        client = mlflow_client(task.tracking_uri)
-        run_id = find_run_id(task, client)
-        if run_id is None:
-            print(f"launcher: warning: no MLflow run found for {task.name}; not tagged",
-                  file=sys.stderr)
-            return
-        tags = {**task.tags, "exit_status": str(status)}
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-        print(f"launcher: tagged MLflow run {run_id} ({task.name}) with the sweep's tags",
+        from pretrain.tracking import bounded_http_requests
+
+        with bounded_http_requests():
+            client = mlflow_client(task.tracking_uri)
+            run_id = find_run_id(task, client)
+            if run_id is None:
+                print(f"launcher: warning: no MLflow run found for {task.name}; not tagged",
+                      file=sys.stderr)
+                return
+            tags = {**task.tags, "exit_status": str(status)}
+            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        print(f"launcher: MLflow run {run_id} ({task.name}): tagged exit_status={status}",
               file=sys.stderr)
     except Exception as err:  # tracking must not turn a finished run into a failure
         print(f"launcher: warning: tagging the MLflow run of {task.name} failed: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import tarfile
 from pathlib import Path
 
 from data_pipeline.prepare import prepare_dataset
@@ -53,3 +54,20 @@ def prepare_tiny(inputs: list, out: Path, **options):
     settings = dict(vocab_size=TINY_VOCAB, seq_len=16, val_fraction=0.2, workers=1, progress=False)
     settings.update(options)
     return prepare_dataset([str(path) for path in inputs], out, **settings)
+
+
+def downgrade_to_version_1(data_dir: Path) -> None:
+    """Turn a prepared dataset into what an older `prepare` wrote: index version 1, no shard
+    sha256, each tar padded with zeros to tarfile's 10240-byte record (byte for byte what
+    tarfile.close() appends when nothing cuts it off)."""
+    index_path = Path(data_dir) / "index.json"
+    raw = json.loads(index_path.read_text())
+    raw["version"] = 1
+    for split in raw["splits"].values():
+        for shard in split["shards"]:
+            path = Path(data_dir) / shard["name"]
+            data = path.read_bytes()
+            path.write_bytes(data + bytes(-len(data) % tarfile.RECORDSIZE))
+            shard["bytes"] = path.stat().st_size
+            shard.pop("sha256", None)
+    index_path.write_text(json.dumps(raw, indent=2))

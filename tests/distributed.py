@@ -5,7 +5,8 @@
 spawns `world_size` fresh processes (the spawn start method: fork is known to deadlock with
 torch threads), each with a process group on a free local port (gloo, or NCCL when there is
 one GPU per rank), megatron-core's parallel state for (tp, pp) via
-`parallel.groups.ensure_initialized`, and one torch thread; calls `fn(**kwargs)` in each
+`parallel.groups.ensure_initialized` (unless `set_up_groups=False`: then `fn` sets them up
+from the environment, as the trainer does), and one torch thread; calls `fn(**kwargs)` in each
 (`fn` must be importable: a module-level function) and returns the list of their return
 values by rank. A failing rank fails the test with its rank and traceback (the other ranks
 are stopped); a run past `timeout_s` kills every rank and raises TimeoutError.
@@ -19,6 +20,7 @@ import queue
 import socket
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -30,8 +32,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, fn: Callable,
-            kwargs: dict, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, set_up_groups: bool,
+            fn: Callable, kwargs: dict, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,7 +43,8 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, fn: Callabl
     from parallel import groups
 
     try:
-        groups.ensure_initialized(tp=tp, pp=pp, timeout_s=120.0)
+        if set_up_groups:
+            groups.ensure_initialized(tp=tp, pp=pp, timeout_s=120.0)
         result = fn(**kwargs)
         # Plain bytes: tensors sent through a queue live in shared memory that disappears
         # when this process exits, possibly before the parent has read them.
@@ -57,14 +60,17 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, fn: Callabl
 
 
 def run_distributed_test(fn: Callable, world_size: int, timeout_s: float = 300.0, *,
-                         tp: int = 1, pp: int = 1, **kwargs: Any) -> list[Any]:
-    """Run `fn(**kwargs)` on `world_size` ranks (TP x PP x DP grid); results by rank."""
+                         tp: int = 1, pp: int = 1, set_up_groups: bool = True,
+                         **kwargs: Any) -> list[Any]:
+    """Run `fn(**kwargs)` on `world_size` ranks (TP x PP x DP grid); results by rank.
+
+    `set_up_groups=False` leaves the process groups to `fn` (the environment is set)."""
     if world_size % (tp * pp):
         raise ValueError(f"tp*pp = {tp * pp} does not divide world_size {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     context = mp.start_processes(
-        _worker, args=(world_size, _free_port(), tp, pp, fn, kwargs, results),
+        _worker, args=(world_size, _free_port(), tp, pp, set_up_groups, fn, kwargs, results),
         nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     by_rank: dict[int, Any] = {}
@@ -105,6 +111,14 @@ def run_distributed_test(fn: Callable, world_size: int, timeout_s: float = 300.0
             raise AssertionError(f"rank {rank} failed:\n{value}")
         by_rank[rank] = _load(value)
     return [by_rank.get(rank) for rank in range(world_size)]
+
+
+def group_timeout(group) -> timedelta:
+    """The collective timeout a process group was built with (its backend's options)."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return group._get_backend(device).options._timeout
 
 
 def _load(payload: bytes) -> Any:

@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pretrain.config import (
+    SECTIONS,
     Config,
     ConfigError,
     ModelSection,
     config_to_dict,
     flat_params,
     load_config,
+    ranges_markdown,
     save_config,
+    valid_range,
     validate,
 )
-from pretrain.model.config import DenseFormerConfig
+from pretrain.model.config import DenseFormerConfig, ModelConfigError, Range, numeric_kind
+from tests.conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
@@ -144,11 +152,11 @@ INVALID = [
     (["model.vocab_size=0"], None, "model.vocab_size", ">= 1"),
     (["train.steps=0"], None, "train.steps", ">= 1"),
     (["train.steps=10", "train.stop_at=11"], None, "train.stop_at", "[1, train.steps=10]"),
-    (["train.stop_at=0"], None, "train.stop_at", "[1, train.steps"),
+    (["train.stop_at=0"], None, "train.stop_at", "must be null or >= 1, got 0"),
     (["train.batch_size=0"], None, "train.batch_size", ">= 1"),
     (["train.log_every=0"], None, "train.log_every", ">= 1"),
     (["train.eval_every=-1"], None, "train.eval_every", ">= 0"),
-    (["data.val_batches=0"], None, "data.val_batches", ">= 1"),
+    (["data.val_batches=-1"], None, "data.val_batches", ">= 0"),
     (["data.num_workers=-1"], None, "data.num_workers", ">= 0"),
     (["checkpoint.every=-1"], None, "checkpoint.every", ">= 0"),
     (["checkpoint.keep=-1"], None, "checkpoint.keep", ">= 0"),
@@ -169,7 +177,7 @@ INVALID = [
     (["model.vocab_pad_multiple=2", "parallel.tp=4"], None, "parallel.tp",
      "vocab_pad_multiple=2"),
     (["model.n_layers=2", "parallel.pp=3"], None, "parallel.pp", "n_layers >= pp"),
-    (["parallel.zero_stage=4"], None, "parallel.zero_stage", "0, 1, 2 or 3"),
+    (["parallel.zero_stage=4"], None, "parallel.zero_stage", "in [0, 3], got 4"),
     (["parallel.zero_stage=2", "parallel.tp=2"], None, "parallel.zero_stage",
      "only support ZeRO-1 with model parallelism"),
     (["parallel.zero_stage=3", "parallel.pp=2"], None, "parallel.zero_stage",
@@ -181,6 +189,21 @@ INVALID = [
     (["train.batch_size=12", "parallel.microbatches=2"], 4, "train.batch_size",
      "dp=4 ranks x 2 micro-batches; use a multiple of 8"),
     (["train.batch_size=12", "parallel.tp=2"], 16, "train.batch_size", "dp=8"),
+    # Accepted before, then NaN (or a broken run) at the first step.
+    (["model.init_std=-0.01"], None, "model.init_std", "must be > 0, got -0.01"),
+    (["model.norm_eps=0"], None, "model.norm_eps", "must be > 0, got 0.0"),
+    (["model.rope_base=0"], None, "model.rope_base", "must be > 1, got 0.0"),
+    (["optim.lr=.inf"], None, "optim.lr", "must be a finite number > 0, got inf"),
+    (["optim.lr=1e999"], None, "optim.lr", "finite number > 0, got inf"),  # overflows to inf
+    (["optim.min_lr=.nan"], None, "optim.min_lr", "finite number >= 0, got nan"),
+    (["optim.beta1=-.inf"], None, "optim.beta1", "finite number in [0, 1), got -inf"),
+    (["train.seed=-1"], None, "train.seed", ">= 0, got -1"),
+    (["train.max_consecutive_skips=-1"], None, "train.max_consecutive_skips", ">= 0, got -1"),
+    (["parallel.timeout_s=0"], None, "parallel.timeout_s", "in [1, 86400], got 0"),
+    (["parallel.checkpoint_every=0"], None, "parallel.checkpoint_every", ">= 1, got 0"),
+    (["model.n_layers=4", "parallel.checkpoint_every=5"], None, "parallel.checkpoint_every",
+     "[1, model.n_layers=4]"),
+    (["train.resume=auto"], None, "train.resume", "set run.dir"),
 ]
 
 
@@ -216,7 +239,8 @@ def test_world_checks_are_skipped_without_world_size():
 
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["model.n_layers=5", "optim.lr=3e-3", "optim.eps=1e-12",
-                             "train.resume=auto", "model.dwa_window=2", "run.name=2024"])
+                             "train.resume=auto", "run.dir=/r", "model.dwa_window=2",
+                             "run.name=2024"])
     path = tmp_path / "resolved.yaml"
     save_config(cfg, path)
     assert load_config(path) == cfg
@@ -306,3 +330,141 @@ def test_baselines():
     assert load_config(base / "last-k.yaml").model.dwa_window == 4
     gains = load_config(base / "skip-gains.yaml").model
     assert gains.skip_gains and not gains.dwa
+
+
+# ---------------------------------------------------------------------------------------------
+# Valid ranges: every numeric key, found by reflection over the section dataclasses.
+
+
+def _numeric_keys() -> list[tuple[str, str, dataclasses.Field, type, bool]]:
+    """(section, name, field, int or float, nullable) of every int/float config field."""
+    found = []
+    for section_name, section in SECTIONS.items():
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            args = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+            kinds = args & {int, float}
+            if kinds:
+                found.append((section_name, f.name, f, kinds.pop(), type(None) in args))
+    return found
+
+
+NUMERIC_KEYS = _numeric_keys()
+
+
+def _outside(valid: Range, kind: type) -> list[float]:
+    """A value just past each bound of `valid` (of the field's type)."""
+    step = 1 if kind is int else 0.5
+    values = [valid.ge - step if valid.ge is not None else None,
+              valid.gt if valid.gt is not None else None,
+              valid.le + step if valid.le is not None else None,
+              valid.lt if valid.lt is not None else None]
+    return [kind(v) for v in values if v is not None]
+
+
+def test_reflection_finds_the_numeric_keys():
+    keys = {f"{section}.{name}" for section, name, *_ in NUMERIC_KEYS}
+    assert {"model.init_std", "model.norm_eps", "model.rope_base", "model.dwa_window",
+            "model.vocab_size", "optim.lr", "optim.warmup_steps", "train.seed",
+            "train.max_consecutive_skips", "parallel.timeout_s", "checkpoint.keep"} <= keys
+    assert not keys & {"model.dwa", "optim.decay_alphas", "tracking.required", "run.name"}
+    assert {name for section, name, *_ in NUMERIC_KEYS if section == "model"} == {
+        f.name for f in dataclasses.fields(DenseFormerConfig)
+        if typing.get_type_hints(DenseFormerConfig)[f.name] is not bool}
+
+
+@pytest.mark.parametrize("section, name, field, kind, nullable", NUMERIC_KEYS,
+                         ids=[f"{s}.{n}" for s, n, *_ in NUMERIC_KEYS])
+def test_every_numeric_key_has_a_range_that_is_enforced(section, name, field, kind, nullable):
+    key = f"{section}.{name}"
+    valid = field.metadata.get("range")
+    assert isinstance(valid, Range), f"{key} states no valid range: declare it with ranged()"
+    assert valid == valid_range(section, field)
+    outside = _outside(valid, kind)
+    assert outside, f"{key}: the range {valid} excludes no value"
+    for bad in [math.nan, math.inf, *outside]:
+        cfg = Config()
+        setattr(getattr(cfg, section), name, bad)
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert err.value.key == key, (bad, str(err.value))
+        assert repr(bad) in str(err.value)
+    # The same from the command line (YAML spells NaN and inf with a dot).
+    for text in [".nan", ".inf", *map(repr, outside)]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"{key}={text}"])
+        assert err.value.key == key, (text, str(err.value))
+
+
+MODEL_NUMERIC = [name for section, name, *_ in NUMERIC_KEYS if section == "model"]
+
+
+@pytest.mark.parametrize("name", MODEL_NUMERIC)
+def test_denseformer_config_refuses_out_of_range_values(name):
+    """The model config checks its own ranges too (it is also built outside load_config)."""
+    field = next(f for f in dataclasses.fields(DenseFormerConfig) if f.name == name)
+    assert isinstance(field.metadata.get("range"), Range), f"model.{name} states no range"
+    kind = numeric_kind(typing.get_type_hints(DenseFormerConfig)[name])[0]
+    for bad in [math.nan, math.inf, -math.inf, *_outside(field.metadata["range"], kind)]:
+        with pytest.raises(ModelConfigError) as err:
+            DenseFormerConfig(**{name: bad})
+        assert err.value.key == name and repr(bad) in str(err.value)
+
+
+def test_ranges_doc_lists_every_numeric_key():
+    doc = (REPO / "docs" / "configuration-ranges.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("|")]
+    assert table == ranges_markdown().splitlines()
+    assert len(table) == 2 + len(NUMERIC_KEYS)
+
+
+def test_resume_auto_needs_a_run_dir():
+    with pytest.raises(ConfigError, match=r"^train\.resume: .*run\.dir is null") as err:
+        load_config(None, ["train.resume=auto"])
+    assert err.value.key == "train.resume"
+    assert load_config(None, ["train.resume=auto", "run.dir=/r"]).train.resume == "auto"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad config files through the command line: exit 2 and "error: <path> ...", no traceback.
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _bad_config(tmp_path: Path, case: str) -> tuple[Path, str]:
+    """(the --config path, the path the error must name) for each bad-file case."""
+    if case == "missing file":
+        return tmp_path / "nope.yaml", str(tmp_path / "nope.yaml")
+    if case == "missing base":
+        child = write(tmp_path / "child.yaml", "base: gone/base.yaml\ntrain:\n  steps: 5\n")
+        return child, str(tmp_path / "gone" / "base.yaml")
+    (tmp_path / "configs").mkdir()
+    return tmp_path / "configs", str(tmp_path / "configs")
+
+
+@pytest.mark.parametrize("case", ["missing file", "missing base", "directory"])
+def test_bad_config_file_exits_2_naming_the_path(tmp_path, case):
+    tmp_path = tmp_path.resolve()
+    config, named = _bad_config(tmp_path, case)
+    procs = {cmd: _cli(tmp_path, cmd, "--config", str(config)) for cmd in ("config", "train")}
+    for cmd, proc in procs.items():
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 2, (cmd, stderr)
+        assert "Traceback" not in stderr
+        error = next(line for line in stderr.splitlines() if line.startswith("error: "))
+        assert named in error, (cmd, error)
+        if case == "missing base":
+            assert str(config) in error  # and the file that names it
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_auto_without_run_dir_exits_2_before_creating_a_run(tmp_path):
+    proc = _cli(tmp_path, "train", "--config", str(REPO / "configs" / "tiny.yaml"),
+                "--set", "train.resume=auto", "--set", "train.steps=2")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 2, stderr
+    assert "error: train.resume: " in stderr and "set run.dir" in stderr
+    assert not (tmp_path / "runs").exists()

@@ -141,6 +141,8 @@ def test_index_json_contents(tmp_path):
     shard = raw["splits"]["train"]["shards"][0]
     assert shard["name"] == "train-000000.tar"
     assert shard["bytes"] == (tmp_path / "ds" / "train-000000.tar").stat().st_size
+    assert shard["sha256"] == sha256_file(tmp_path / "ds" / "train-000000.tar")
+    assert raw["version"] == 2
     assert set(raw["inputs"]) == {"files", "documents", "bytes", "tokens"}
     assert index.tokenizer_path.is_absolute()
     assert read_index(tmp_path / "ds").num_samples("train") == raw["splits"]["train"]["samples"]

@@ -75,3 +75,34 @@ def test_tp_matmul_autocast_decorators_are_still_cuda_only():
         forward = layers.LinearWithGradAccumulationAndAsyncCommunication.forward
         cells = [c.cell_contents for c in forward.__closure__ or ()]
         assert "cpu" in cells
+
+
+def megatron_group_timeouts(timeout_s_of_groups: float) -> dict[str, str]:
+    """{megatron-core group: its timeout} after `ensure_initialized` with that timeout."""
+    from megatron.core import parallel_state
+
+    from tests.distributed import group_timeout
+
+    groups.ensure_initialized(timeout_s=timeout_s_of_groups)
+    return {name: str(group_timeout(getattr(parallel_state, f"get_{name}_group")()))
+            for name in ("tensor_model_parallel", "pipeline_model_parallel", "data_parallel",
+                         "model_parallel", "embedding", "position_embedding")}
+
+
+def test_megatron_groups_take_a_timeout_in_fractional_minutes():
+    """`timeout_minutes` passes seconds / 60 to megatron-core's whole-minute argument; if
+    megatron starts rounding, validating or renaming it, the groups lose the timeout here."""
+    import inspect
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+
+    from parallel.megatron_compat import timeout_minutes
+    from tests.distributed import run_distributed_test
+
+    assert "distributed_timeout_minutes" in inspect.signature(
+        parallel_state.initialize_model_parallel).parameters
+    assert timedelta(minutes=timeout_minutes(7)) == timedelta(seconds=7)
+    (found,) = run_distributed_test(megatron_group_timeouts, 1, timeout_s=120,
+                                    set_up_groups=False, timeout_s_of_groups=7)
+    assert found == dict.fromkeys(found, "0:00:07"), found

@@ -24,7 +24,7 @@ def tiny(d, k=1, p=1, window=None, **kw):
 
 
 def random_alpha(model, gen):
-    """Random alphas at exactly the connections DESIGN.md section 2 defines."""
+    """Random alphas at exactly the connections docs/design.md#index-conventions defines."""
     cfg = model.config
     d, k, p = cfg.n_layers, cfg.dwa_dilation, cfg.dwa_period
     matrix = torch.zeros(d, d + 1)
@@ -49,6 +49,7 @@ def naive_forward(model, tokens, matrix):
     return model.head(y)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("functional", [False, True], ids=["buffered", "functional"])
 @pytest.mark.parametrize("d,k,p,window", SHAPES)
 def test_dwa_matches_naive_formula(d, k, p, window, functional):
@@ -77,6 +78,7 @@ def test_dwa_matches_naive_formula(d, k, p, window, functional):
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.gpu
 def test_identity_init_equals_transformer():
     tokens = torch.randint(0, 50, (2, 16))
     dense = DenseFormer(tiny(5, 1, 1), seed=3)
@@ -107,6 +109,7 @@ def test_efficient_dwa_equals_naive_sum():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.gpu
 def test_activation_checkpointing_gives_same_gradients():
     from torch.utils.checkpoint import checkpoint
 
@@ -126,6 +129,7 @@ def test_activation_checkpointing_gives_same_gradients():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.gpu
 def test_compiles_without_graph_breaks():
     model = DenseFormer(tiny(3, 1, 1), seed=0)
     tokens = torch.randint(0, 50, (2, 16))
@@ -133,6 +137,7 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled(tokens), model(tokens))
 
 
+@pytest.mark.gpu
 def test_api_shapes_and_padding():
     cfg = tiny(2)
     model = DenseFormer(cfg)
@@ -165,6 +170,7 @@ def test_paper_parameter_counts(d, expected):
     assert dense.num_params() - cfg.num_params() == d * (d + 3) // 2
 
 
+@pytest.mark.gpu
 def test_param_count_matches_built_model_and_meta_build():
     cfg = tiny(6, 4, 5)
     assert DenseFormer(cfg).num_params() == cfg.num_params()

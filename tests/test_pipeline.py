@@ -33,7 +33,7 @@ MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
 
 
 # ---------------------------------------------------------------------------------------------
-# The boundary plan against an independent count (DESIGN.md section 4)
+# The boundary plan against an independent count (docs/design.md#the-boundary-state-bound)
 
 
 def expected_counts(d: int, k: int, p: int, b: int, dwa: bool = True) -> tuple[int, int]:

@@ -277,7 +277,9 @@ def test_preempted_job_requeues_and_resumes_to_the_same_result(cluster, tiny_dat
     log = (tmp_path / f"denseformer-{job}.out").read_text()
     assert job_field(cluster, job, "JobState") == "COMPLETED", log[-3000:]
     assert job_field(cluster, job, "Restarts") == "1"
-    assert "SLURM_RESTART_COUNT=1" in log and "requeued job" in log
+    # The line is written before `scontrol requeue`, which ends the batch script at once.
+    assert "SLURM_RESTART_COUNT=1" in log and f"requeueing job {job}:" in log
+    assert log.index(f"requeueing job {job}:") < log.index("SLURM_RESTART_COUNT=1")
     resumed_at = int(log.split("resuming from ")[1].split("(step ")[1].split(")")[0])
     assert 1 <= resumed_at < STEPS  # stopped mid-run, at a step boundary
 

@@ -4,8 +4,13 @@ MLflow store."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +79,9 @@ def test_requeued_job_resumes_in_a_stable_run_dir(tmp_path, monkeypatch):
     array = training_overrides(config, [], {**env, "SLURM_ARRAY_JOB_ID": "7",
                                             "SLURM_ARRAY_TASK_ID": "3"})
     assert array[0] == f"run.dir={tmp_path / 'runs/tiny-7_3'}"
+    # resume=auto without run.dir is refused by the trainer, not here: the job supplies one.
+    asked = training_overrides(config, ["train.resume=auto"], env)
+    assert asked == ["train.resume=auto", f"run.dir={tmp_path / 'runs/tiny-4242'}"]
 
 
 @pytest.mark.timeout(120)
@@ -277,6 +285,67 @@ def test_fit_command_on_a_synthetic_store(tmp_path, capsys):
 
     assert main(["fit", "--experiment", "nope", "--tracking-uri", uri]) == 2
     assert "no experiment named 'nope'" in capsys.readouterr().err
+
+
+def kill_everything_of(launcher: subprocess.Popen, marker: str) -> None:
+    """SIGKILL the launcher's process group and the ranks (torchrun starts each in a session
+    of its own), found by `marker` in their command line."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if proc.name.isdigit() and marker.encode() in cmdline:
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+@pytest.mark.timeout(300)
+def test_sweep_tags_are_on_the_run_while_training_and_after_a_kill(tmp_path, tiny_data):
+    """A task killed at its time limit never reaches its end: its MLflow run must carry the
+    sweep's tags from the start, so that `slurm fit` reports it instead of not seeing it."""
+    from mlflow.tracking import MlflowClient
+
+    from slurm.sweep import write_sweep as write_dir
+
+    sweep = expand(TINY_SWEEP, [f"data.path={tiny_data}"], out=tmp_path / "sweep")
+    write_dir(sweep)
+    manifest = json.loads((sweep.out / "sweep.json").read_text())
+    entry = manifest["runs"][1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "slurm", "launch", "--sweep", str(sweep.out),
+         "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port),
+         "--set", "train.steps=100000"],  # still training when it is killed
+        env={**cli_env(), "SLURM_ARRAY_TASK_ID": "1"}, cwd=ROOT, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = Path(entry["run_dir"]) / "metrics.jsonl"
+        deadline = time.monotonic() + 200
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        client = MlflowClient(manifest["tracking_uri"])
+        experiment = client.get_experiment_by_name(manifest["experiment"])
+        (run,) = client.search_runs([experiment.experiment_id])
+        assert run.info.status == "RUNNING" and run.info.run_name == entry["name"]
+        assert entry["tags"].items() <= run.data.tags.items()  # while it trains
+    finally:
+        kill_everything_of(launcher, str(sweep.out))  # as Slurm does at the time limit
+        launcher.communicate(timeout=60)
+
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "RUNNING" and entry["tags"].items() <= run.data.tags.items()
+    fitted = subprocess.run(
+        [sys.executable, "-m", "slurm", "fit", "--experiment", manifest["experiment"],
+         "--tracking-uri", manifest["tracking_uri"], "--out", str(tmp_path / "fit")],
+        env=cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert fitted.returncode == 2, fitted.stderr
+    assert f"skipped {entry['name']}: unfinished, status RUNNING" in fitted.stderr
+    assert "1 run(s) with sweep tags are unfinished" in fitted.stderr
 
 
 def test_paper_sweep_expands(tmp_path):

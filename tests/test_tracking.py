@@ -1,17 +1,30 @@
-"""pretrain.tracking: metrics.jsonl on resume, the MLflow run across a resume, the loss plot."""
+"""pretrain.tracking: metrics.jsonl on resume, the MLflow run across a resume, the loss plot,
+and what happens when the tracking store is unreachable or dies mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.config import flat_params, load_config
+from pretrain.config import ConfigError, flat_params, load_config
 from pretrain.tracking import (
+    HTTP_BOUNDS,
+    RUN_TAGS_ENV,
     MetricsLog,
     Tracker,
     default_tracking_uri,
@@ -19,6 +32,7 @@ from pretrain.tracking import (
     plot_loss_curve,
     read_metrics,
 )
+from tests.conftest import ROOT, cli_env
 
 
 def lines(path: Path) -> list[dict]:
@@ -156,5 +170,202 @@ def test_mlflow_run_is_continued_on_resume(tmp_path, caplog):
         third.log_artifact(run_dir / "does-not-exist.txt")
     assert "MLflow log_artifact failed" in caplog.text
     third.finish()
-    with pytest.raises(RuntimeError, match="not found"):
+    with pytest.raises(ConfigError, match="tracking.uri: MLflow run 0+ .*not found"):
         Tracker(resumed_cfg, run_dir, run_id="0" * 32)
+
+
+# ---------------------------------------------------------------------------------------
+# An unreachable or failing tracking store (loopback addresses only)
+
+
+def closed_port_uri() -> str:
+    """An http URI on a loopback port that nothing listens on (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def silent_server(lifetime_s: float = 120) -> Iterator[str]:
+    """A loopback socket that accepts connections and never answers; it closes itself after
+    `lifetime_s` (or when the block ends)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        held = []
+        deadline = time.monotonic() + lifetime_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                held.append(listener.accept()[0])  # and never read from it nor answer
+        for conn in held:
+            conn.close()
+        listener.close()
+
+    thread = threading.Thread(target=serve, name="silent-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def unreachable(kind: str) -> Iterator[str]:
+    if kind == "closed-port":
+        yield closed_port_uri()
+    else:
+        with silent_server() as uri:
+            yield uri
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["closed-port", "never-answers"])
+def test_unreachable_server_is_a_config_error_within_30s(tmp_path, kind, caplog):
+    with unreachable(kind) as uri:
+        cfg = load_config(None, [f"tracking.uri={uri}"])
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            Tracker(cfg, tmp_path)
+        elapsed = time.monotonic() - start
+        assert elapsed < 30, f"{kind}: took {elapsed:.0f}s"
+        assert err.value.key == "tracking.uri" and uri in str(err.value)
+        assert "tracking.required=false" in str(err.value)
+
+        optional = load_config(None, [f"tracking.uri={uri}", "tracking.required=false"])
+        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+            tracker = Tracker(optional, tmp_path)
+            tracker.log_metrics({"loss": 1.0}, step=1)
+            tracker.finish()
+    assert not tracker.enabled and tracker.run_id is None
+    assert len(caplog.records) == 1 and uri in caplog.text
+    assert "continues without MLflow" in caplog.text
+    # The bounds applied to the calls only: nothing leaks into the rest of the process.
+    assert not set(HTTP_BOUNDS) & set(os.environ)
+
+
+def tiny_train(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    sets = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
+            "model.dwa_dilation=1", "model.dwa_period=1", "train.batch_size=8",
+            "optim.warmup_steps=1", "data.val_batches=1", "train.steps=3",
+            "train.eval_every=0", f"data.path={data}", f"run.dir={run_dir}", *extra]
+    return [sys.executable, "-m", "pretrain", "train", "--config",
+            str(ROOT / "configs/tiny.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def run_cli(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=env or cli_env())
+
+
+@pytest.mark.timeout(300)
+def test_cli_exits_2_when_the_tracking_server_never_answers(tiny_data, tmp_path):
+    with silent_server() as uri:
+        done = run_cli(tiny_train(tiny_data, tmp_path / "run", f"tracking.uri={uri}"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"error: tracking.uri: cannot reach the MLflow tracking store {uri}" in done.stderr
+    waited = int(re.search(r"gave up after (\d+) s", done.stderr).group(1))
+    assert waited < 30
+    assert "Traceback" not in done.stderr
+    from pretrain.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") is None  # nothing trained
+
+
+@pytest.mark.timeout(300)
+def test_cli_trains_with_one_warning_when_tracking_is_not_required(tiny_data, tmp_path):
+    uri = closed_port_uri()
+    run_dir = tmp_path / "run"
+    done = run_cli(tiny_train(tiny_data, run_dir, f"tracking.uri={uri}",
+                              "tracking.required=false"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1 and uri in warnings[0], warnings
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r] \
+        == [1, 2, 3]
+    assert (run_dir / "loss_curve.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_cli_run_carries_env_tags_and_prints_no_mlflow_info(tiny_data, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    tags = {"sweep_id": "s1", "architecture": "transformer", "N": "1234", "D": "768"}
+    done = run_cli(tiny_train(tiny_data, run_dir),
+                   env={**cli_env(), RUN_TAGS_ENV: json.dumps(tags)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Creating initial MLflow database tables" not in done.stderr
+    assert " INFO " not in done.stderr and "INFO mlflow" not in done.stderr
+    client = MlflowClient(default_tracking_uri(run_dir))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert tags.items() <= run.data.tags.items()
+
+
+@contextlib.contextmanager
+def mlflow_server(store: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real `mlflow server` on a free loopback port, with a sqlite backend in `store`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+         "--artifacts-destination", str(store / "artifacts")],
+        env=cli_env(), stdout=subprocess.DEVNULL, stderr=open(store / "server.log", "w"),
+        start_new_session=True)  # its own process group: uvicorn runs in a child
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert server.poll() is None, (store / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not start"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            time.sleep(0.5)
+        yield uri, server
+    finally:
+        stop_server(server)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Kill the server and its workers at once, as a crashed host would."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_writes_failing_mid_run_warn_once_and_are_counted(tmp_path, caplog):
+    from mlflow.tracking import MlflowClient
+
+    with mlflow_server(tmp_path / "server") as (uri, server):
+        cfg = load_config(None, [f"tracking.uri={uri}", "run.name=server-dies"])
+        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+            tracker = Tracker(cfg, tmp_path / "run")
+            for step in (1, 2, 3):
+                tracker.log_metrics({"loss": 5.0 - step}, step=step)
+            assert caplog.records == []
+            stop_server(server)  # the tracking server dies mid-run
+            start = time.monotonic()
+            for step in range(4, 11):
+                tracker.log_metrics({"loss": 5.0 - step}, step=step)
+            tracker.set_tags({"layout": "tp1-pp1-dp1"})
+            tracker.finish()
+            elapsed = time.monotonic() - start
+    failed = [r.getMessage() for r in caplog.records if "failed (" in r.getMessage()]
+    assert len(failed) == 1 and "MLflow log_metrics failed" in failed[0], caplog.text
+    assert caplog.records[-1].getMessage() == (
+        "warning: 9 MLflow writes failed; metrics.jsonl has everything")
+    assert len(caplog.records) == 2
+    assert elapsed < 30, f"a dead server stalled training for {elapsed:.0f}s"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'server' / 'mlflow.db'}")
+    history = client.get_metric_history(tracker.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3]

@@ -68,6 +68,7 @@ def test_training_reduces_loss_and_resume_is_bitwise_exact(tiny_data, tmp_path):
     assert "val_loss" in evaluated.stdout
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("override,key", [
     ("model.n_heads=3", "model.n_heads"),
     ("model.dwa_dilation=0", "model.dwa_dilation"),
@@ -97,11 +98,17 @@ def test_nan_loss_stops_with_last_good_checkpoint_intact(tiny_data, tmp_path):
     state = load_checkpoint(last)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
+    # Skipping stops once more than train.max_consecutive_skips steps in a row are skipped
+    # (tests/test_run_safety.py); below that the run ends normally.
     skipped = run(train_cmd(tiny_data, tmp_path / "skip", "train.steps=4", "optim.lr=1e30",
                             "optim.min_lr=0", "optim.warmup_steps=0", "train.on_nan=skip"))
     assert skipped.returncode == 0, skipped.stderr
     records = [json.loads(x) for x in (tmp_path / "skip/metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("skipped") for r in records)
+    assert [r["step"] for r in records if r.get("skipped")] == [2, 3, 4]
+    too_many = run(train_cmd(tiny_data, tmp_path / "too-many", "train.steps=4", "optim.lr=1e30",
+                             "optim.min_lr=0", "optim.warmup_steps=0", "train.on_nan=skip",
+                             "train.max_consecutive_skips=2"))
+    assert too_many.returncode == 3, too_many.stderr
 
 
 @pytest.mark.timeout(300)

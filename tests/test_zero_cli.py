@@ -69,8 +69,8 @@ def test_invalid_combinations_exit_2_naming_the_key(tiny_data, tmp_path, overrid
 
 @pytest.mark.timeout(600)
 def test_zero1_with_pipeline_pp2_dp2_matches_and_resumes_at_dp1(tiny_data, tmp_path):
-    """ZeRO-1 over the DP group with the pipeline schedule outside the engine (DESIGN.md
-    section 4), block checkpointing in the stages; its checkpoint resumes in one process."""
+    """ZeRO-1 over the DP group with the pipeline schedule outside the engine (docs/pipeline.md),
+    block checkpointing in the stages; its checkpoint resumes in one process."""
     steps = [*STEPS, "model.n_layers=4"]
     straight = run(train_cmd(tiny_data, tmp_path / "straight", *steps))
     assert straight.returncode == 0, straight.stderr

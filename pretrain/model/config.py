@@ -1,6 +1,6 @@
 """DenseFormerConfig: the shape of a DenseFormer (or Transformer) language model.
 
-Index conventions (DESIGN.md section 2), used everywhere in `pretrain.model`:
+Index conventions (docs/design.md#index-conventions), used everywhere in `pretrain.model`:
 blocks are numbered 1..d; X_0 is the embedding output; block i maps Y_{i-1} to X_i; the DWA
 after block i (if any) produces Y_i = sum_{j in S_i} alpha[i, j] X_j. `model.blocks[i - 1]` is
 block i and row i - 1 of the (d, d + 1) alpha matrix is the DWA after block i.
@@ -8,8 +8,75 @@ block i and row i - 1 of the (d, d + 1) alpha matrix is the DWA after block i.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: finite, and within every bound that is set."""
+
+    ge: float | None = None  # value >= ge
+    gt: float | None = None  # value > gt
+    le: float | None = None  # value <= le
+    lt: float | None = None  # value < lt
+    also: str = ""  # what a check across fields adds, for the docs ("<= optim.lr")
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le)
+                and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        low = f"[{_number(self.ge)}" if self.ge is not None else (
+            f"({_number(self.gt)}" if self.gt is not None else None)
+        high = f"{_number(self.le)}]" if self.le is not None else (
+            f"{_number(self.lt)})" if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        if high:
+            return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        return "any finite number"
+
+    def problem(self, value: float, nullable: bool = False) -> str | None:
+        """None if `value` is valid, else what is wrong with it (`nullable`: null is valid)."""
+        if value in self:
+            return None
+        null = "null or " if nullable else ""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be {null}a finite number {self}, got {value!r}"
+        return f"must be {null}{self}, got {value!r}"
+
+
+def _number(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def ranged(default: Any, also: str = "", **bounds: float) -> Any:
+    """A dataclass field with `default` whose valid values are Range(**bounds)."""
+    return field(default=default, metadata={RANGE: Range(also=also, **bounds)})
+
+
+def numeric_kind(hint: Any) -> tuple[type | None, bool]:
+    """(int or float, nullable) for a numeric type hint such as `int | None`; (None, _) else."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
+        else (hint,)
+    nullable = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) == 1 and kinds[0] in (int, float):
+        return kinds[0], nullable
+    return None, nullable
 
 
 class ModelConfigError(ValueError):
@@ -22,52 +89,47 @@ class ModelConfigError(ValueError):
 
 @dataclass
 class DenseFormerConfig:
-    n_layers: int = 4
-    d_model: int = 64
-    n_heads: int = 4
-    vocab_size: int = 256
-    seq_len: int = 128
+    n_layers: int = ranged(4, ge=1)
+    d_model: int = ranged(64, ge=1)
+    n_heads: int = ranged(4, ge=1, also="divides d_model into an even head size")
+    vocab_size: int = ranged(256, ge=1)
+    seq_len: int = ranged(128, ge=1)
     # Depth weighted averages: dilation k, period p ("k x p"); dwa=False is a plain Transformer.
     dwa: bool = True
-    dwa_dilation: int = 1
-    dwa_period: int = 1
+    dwa_dilation: int = ranged(1, ge=1)
+    dwa_period: int = ranged(1, ge=1)
     # Last-K baseline: a DWA reads only X_j with j > i - dwa_window (None: all of S_i).
-    dwa_window: int | None = None
+    dwa_window: int | None = ranged(None, ge=1)
     # Initial alpha off the diagonal (connect-to-last uses 1e-4; DenseFormer 0, so that the
-    # model equals a Transformer at init).
-    dwa_init_offdiag: float = 0.0
+    # model equals a Transformer at init); at most the diagonal's 1.
+    dwa_init_offdiag: float = ranged(0.0, ge=0, le=1)
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    mlp_ratio: int = ranged(4, ge=1)
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    # RoPE frequencies are base^(-2i/head_dim): a base <= 1 makes them all 1 or growing.
+    rope_base: float = ranged(10000.0, gt=1)
+    norm_eps: float = ranged(1e-5, gt=0)  # 0 divides by zero on an all-zero input
+    init_std: float = ranged(0.02, gt=0)  # 0 gives identical units that never differ
     # The embedding/LM-head rows are padded to this multiple, independent of TP, so that
     # every layout shares one padded vocabulary; padded ids are never predicted.
-    vocab_pad_multiple: int = 128
+    vocab_pad_multiple: int = ranged(128, ge=1)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ModelConfigError naming the first field with an invalid value."""
-        for key in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "mlp_ratio",
-                    "dwa_dilation", "dwa_period", "vocab_pad_multiple"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelConfigError(key, f"must be an integer >= 1, got {value!r}")
+        for f in dataclasses.fields(self):
+            valid = f.metadata.get(RANGE)
+            if valid is not None:
+                _check_numeric(f.name, getattr(self, f.name), _hints()[f.name], valid)
         if self.d_model % self.n_heads:
             raise ModelConfigError(
                 "n_heads", f"{self.n_heads} heads do not divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
             raise ModelConfigError(
                 "n_heads", f"head size {self.d_model // self.n_heads} must be even for RoPE")
-        if self.dwa_window is not None and (
-                not isinstance(self.dwa_window, int) or self.dwa_window < 1):
-            raise ModelConfigError("dwa_window", f"must be null or >= 1, got {self.dwa_window!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
         if self.dwa and self.skip_gains:
             raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false")
 
@@ -109,3 +171,23 @@ class DenseFormerConfig:
         attention = 12.0 * self.n_layers * self.seq_len * h
         dwa = int(dwa_mask(self).sum()) * h if self.dwa else 0
         return 6.0 * matmul + attention + 6.0 * dwa
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(DenseFormerConfig)
+
+
+def _check_numeric(name: str, value: Any, hint: Any, valid: Range) -> None:
+    """Raise ModelConfigError unless `value` has the numeric type of `hint` and is in `valid`."""
+    kind, nullable = numeric_kind(hint)
+    if value is None and nullable:
+        return
+    accepted = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        noun = "an integer" if kind is int else "a number"
+        raise ModelConfigError(name, f"must be {'null or ' if nullable else ''}{noun} {valid}, "
+                                     f"got {value!r}")
+    problem = valid.problem(value, nullable)
+    if problem is not None:
+        raise ModelConfigError(name, problem)

@@ -1,0 +1,188 @@
+"""The run directory: its lock, the start-time checks, and which checkpoint a run resumes.
+
+Rank 0 alone touches the directory here and broadcasts what it found (a path, or the error
+message), so every rank decides the same thing: all resume from one checkpoint, or all
+exit 2 with one message.
+
+The lock is an `fcntl` lock on `run_dir/.lock`, held for the run's life. The kernel drops it
+when the holding process dies, however it dies, so a requeued Slurm job is never locked out
+by a dead holder; the file's text (host, PID, Slurm job id) is only for the message. On
+NFSv4 the server arbitrates such locks between clients (a crashed client's lock lapses with
+its lease); on Lustre only when mounted with `-o flock` (with `localflock`, two nodes do not
+see each other's locks); where the file system refuses locks, the run continues with a
+warning that the directory is unprotected.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from pretrain import checkpoint
+from pretrain.config import ConfigError
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLocked(ConfigError):
+    """Another live process holds the run directory."""
+
+
+class RunDirLock:
+    """An exclusive, non-blocking lock on a run directory; `release()` or process exit frees it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise RunDirLocked naming the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = _read_holder(self.path)
+            os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                raise RunDirLocked("run.dir", f"{self.path.parent} is in use by another run "
+                                   f"({holder}); wait for it to end or choose another "
+                                   "run.dir") from None
+            print(f"warning: cannot lock {self.path} ({os.strerror(err.errno)}): this file "
+                  "system does not support fcntl locks, so nothing stops a second run from "
+                  "using this run directory", file=sys.stderr, flush=True)
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, _holder_text().encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
+
+
+def _holder_text() -> str:
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"host {socket.gethostname()}, PID {os.getpid()}" + (f", Slurm job {job}" if job
+                                                                 else "")
+
+
+def _read_holder(path: Path) -> str:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        text = ""
+    return text or "holder unknown"
+
+
+def check_writable(directory: Path, key: str) -> None:
+    """Create `directory` and write a probe file into it, or raise ConfigError naming it.
+
+    A real write, not os.access: root passes access checks on read-only mounts."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
+            pass
+    except OSError as err:
+        code = errno.errorcode.get(err.errno, "")
+        raise ConfigError(key, f"{directory} is not writable: {err.strerror} ({code})") from None
+
+
+def _resume_choice(ckpt_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint a run with `train.resume = resume` starts from (rank 0 only)."""
+    if resume is None:
+        found = checkpoint.list_checkpoints(ckpt_dir)
+        if found:
+            raise ConfigError("train.resume", f"run.dir {ckpt_dir.parent} already holds "
+                              f"checkpoints ({found[-1][1].name}, ...): set train.resume=auto "
+                              "to continue that run, or choose another run.dir")
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError("train.resume", f"checkpoint {path} does not exist")
+        checkpoint.read_manifest(path, verify_hashes=True)  # CheckpointError names the file
+        return path
+    found = checkpoint.list_checkpoints(ckpt_dir)
+    rejected = []
+    for _, path in reversed(found):
+        try:
+            checkpoint.read_manifest(path, verify_hashes=True)
+        except checkpoint.CheckpointError as err:
+            rejected.append(str(err))
+            continue
+        for reason in rejected:
+            print(f"warning: not resuming from a newer checkpoint: {reason}; using {path}",
+                  file=sys.stderr, flush=True)
+        return path
+    if found:
+        raise checkpoint.CheckpointError(
+            f"train.resume=auto: no intact checkpoint in {ckpt_dir}, refusing to restart from "
+            "step 0 over it: " + "; ".join(rejected) + ". Move the directory away to start "
+            "afresh, or resume from another checkpoint with train.resume=PATH")
+    return None
+
+
+def agreed_on_rank0(fn: Callable[[], Any], is_main: bool, world: int) -> Any:
+    """Run `fn` on rank 0 alone; every rank returns its (picklable) result, or raises the
+    ConfigError / CheckpointError it raised, so no rank goes on while another exits 2."""
+    outcome = [None, None]  # [result, (error type, message, key)]
+    if is_main:
+        try:
+            outcome[0] = fn()
+        except (ConfigError, checkpoint.CheckpointError) as err:
+            outcome[1] = (type(err).__name__, str(err), getattr(err, "key", None))
+    if world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is None:
+        return outcome[0]
+    kind, message, key = outcome[1]
+    if kind == "CheckpointError":
+        raise checkpoint.CheckpointError(message)
+    raise ConfigError(key, message.removeprefix(f"{key}: "))
+
+
+def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: bool,
+                    world: int) -> tuple[RunDirLock | None, Path | None]:
+    """Rank 0: create and lock run_dir, check it and ckpt_dir are writable, choose the
+    checkpoint to resume; every rank gets the same choice, or the same error."""
+    lock = RunDirLock(run_dir) if is_main else None
+
+    def prepare() -> str | None:
+        check_writable(run_dir, "run.dir")
+        lock.acquire()
+        try:
+            check_writable(ckpt_dir, "run.dir")
+            path = _resume_choice(ckpt_dir, resume)
+        except BaseException:
+            lock.release()
+            raise
+        return None if path is None else str(path)
+
+    path = agreed_on_rank0(prepare, is_main, world)
+    return lock, None if path is None else Path(path)
+
+
+def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:
+    """What a checkpoint must agree on with the run that resumes it."""
+    return {"model": dict(model_section), "tokenizer_sha256": tokenizer_sha256, "seed": seed}
+
+
+def fingerprint_mismatch(saved: dict, current: dict) -> list[str]:
+    """The dotted keys on which two fingerprints differ, as 'key: saved -> now'."""
+    differ = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += [f"{key}.{line}" for line in fingerprint_mismatch(a, b)]
+        elif a != b:
+            differ.append(f"{key}: {a!r} in the checkpoint, {b!r} now")
+    return differ
