@@ -233,23 +233,16 @@ class PipelineRunner:
 
         return self.gather_to_main(full_model_state(self.model))
 
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The whole model's optimizer state by name on global rank 0 (collective)."""
-        from pretrain.model.state import full_optimizer_state
-
-        return self.gather_to_main(full_optimizer_state(self.model, optimizer))
+    def local_model_state(self, state: dict) -> dict:
+        """This rank's entries of a full (single-process) model state."""
+        names = dict(self.model.named_parameters())
+        missing = sorted(names.keys() - state.keys())
+        if missing:
+            raise KeyError(f"model state lacks {missing[:5]}")
+        return {name: state[name] for name in names}
 
     def load_model_state(self, state: dict) -> None:
         """Load this rank's parameters from a full (single-process) model state."""
         from pretrain.model.state import load_full_model_state
 
-        names = dict(self.model.named_parameters())
-        missing = sorted(names.keys() - state.keys())
-        if missing:
-            raise KeyError(f"model state lacks {missing[:5]}")
-        load_full_model_state(self.model, {name: state[name] for name in names})
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from pretrain.model.state import load_full_optimizer_state
-
-        load_full_optimizer_state(self.model, optimizer, state)
+        load_full_model_state(self.model, self.local_model_state(state))

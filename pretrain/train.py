@@ -24,8 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from parallel import groups
-from parallel.layout import Layout, average_gradients, gradient_norm, setup_layout
-from parallel.tensor import allreduce_sequence_parallel_grads
+from parallel.layout import Layout, setup_layout
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
@@ -72,8 +71,7 @@ class Trainer:
         from data_pipeline.index import read_index
         from data_pipeline.loader import TrainLoader
         from pretrain import checkpoint
-        from pretrain.model import DenseFormer
-        from pretrain.optim import build_optimizer
+        from pretrain.engine import build_engine
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
@@ -106,32 +104,8 @@ class Trainer:
 
         self.dtype = compute_dtype(cfg, layout.device)
         self.local_batch = cfg.train.batch_size // layout.dp
-        self.pipeline = None  # parallel.pipeline.PipelineRunner when pp > 1
-        if layout.pp > 1:
-            from parallel.pipeline import PipelineRunner
-
-            p = cfg.parallel
-            self.pipeline = PipelineRunner(
-                self.model_cfg, microbatches=p.microbatches,
-                micro_batch=self.local_batch // p.microbatches, virtual_stages=p.virtual_stages,
-                pp_split=p.pp_split, transfer=p.pp_transfer, seed=cfg.train.seed,
-                device=layout.device, sequence_parallel=p.sequence_parallel,
-                activation_checkpointing=p.activation_checkpointing == "block")
-            self.model = self.pipeline.model  # this rank's stages
-        else:
-            from parallel.checkpointing import apply_activation_checkpointing
-
-            self.model = DenseFormer(self.model_cfg, seed=cfg.train.seed,
-                                     sequence_parallel=cfg.parallel.sequence_parallel
-                                     ).to(layout.device)
-            apply_activation_checkpointing(self.model, cfg.parallel.activation_checkpointing,
-                                           cfg.parallel.checkpoint_every)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.zero = None  # parallel.zero.ZeroEngine: DeepSpeed runs the update
-        if cfg.parallel.zero_stage:
-            from parallel.zero import ZeroEngine
-
-            self.zero = ZeroEngine(self.model, self.optimizer, cfg, dtype=self.dtype)
+        self.engine = build_engine(self.model_cfg, cfg, layout, self.dtype)
+        self.model = self.engine.model  # this rank's parameters
         self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
                                   dp_rank=layout.dp_rank, dp_size=layout.dp, seed=cfg.train.seed,
                                   num_workers=cfg.data.num_workers)
@@ -149,7 +123,6 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
 
     def _load(self, state: dict) -> None:
-        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
         from pretrain.run_dir import fingerprint_mismatch
 
         meta = state["meta"]
@@ -158,14 +131,7 @@ class Trainer:
             if differ:
                 raise ConfigError("train.resume", f"{self.resume_from} was written by a "
                                   "different run; these differ: " + "; ".join(differ))
-        if self.zero is not None:
-            self.zero.load_full_state(state["model"], state["optimizer"])
-        elif self.pipeline is not None:
-            self.pipeline.load_model_state(state["model"])
-            self.pipeline.load_optimizer_state(self.optimizer, state["optimizer"])
-        else:
-            load_full_model_state(self.model, state["model"])
-            load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.engine.load_full_state(state["model"], state["optimizer"])
         self.loader.load_state_dict(meta["loader"])
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
@@ -174,20 +140,8 @@ class Trainer:
         """Write a checkpoint of the current step (collective: TP shards are gathered); every
         rank gets its path, or SaveFailed with rank 0's error, at once."""
         from pretrain import checkpoint
-        from pretrain.model.state import full_model_state, full_optimizer_state
 
-        if self.zero is not None:  # gathered over DP (and TP); stages merged on rank 0
-            model_state = self.zero.full_model_state()
-            optimizer_state = self.zero.full_optimizer_state()
-            if self.pipeline is not None:
-                model_state = self.pipeline.gather_to_main(model_state)
-                optimizer_state = self.pipeline.gather_to_main(optimizer_state)
-        elif self.pipeline is not None:  # every stage's tensors, merged on rank 0
-            model_state = self.pipeline.full_model_state()
-            optimizer_state = self.pipeline.full_optimizer_state(self.optimizer)
-        else:
-            model_state = full_model_state(self.model)
-            optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        state = self.engine.full_state()  # complete on rank 0
         outcome = [None, None]  # [path, error message]
         if self.layout.is_main:
             meta = {"step": self.step, "loader": self.loader.state_dict(),
@@ -195,8 +149,7 @@ class Trainer:
                     "config": self.cfg.run.name, "fingerprint": self.fingerprint}
             try:
                 outcome[0] = str(checkpoint.save_checkpoint(
-                    self.ckpt_dir, self.step,
-                    {"model": model_state, "optimizer": optimizer_state, "meta": meta},
+                    self.ckpt_dir, self.step, {**state, "meta": meta},
                     keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint))
             except (OSError, RuntimeError) as err:  # torch.save reports I/O as RuntimeError
                 outcome[1] = _save_error(err, self.ckpt_dir, self.step)
@@ -234,43 +187,17 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         step = self.step + 1
         lr = self.lr(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.engine.set_lr(lr)
         torch.manual_seed(step_seed(cfg.train.seed, step, layout.dp_rank))
         seq = self.model_cfg.seq_len
-        loss_sum = torch.zeros((), dtype=torch.float64, device=layout.device)
         micro = cfg.parallel.microbatches
-        if self.pipeline is not None:  # the schedule runs the micro-batches
-            with autocast_for(layout.device, self.dtype):
-                loss_sum += self.pipeline.train_step(batch[:, :seq], batch[:, 1: seq + 1])
-        else:
-            for part in batch.chunk(micro):
-                with autocast_for(layout.device, self.dtype):
-                    loss = (self.zero or self.model).loss(part[:, :seq], part[:, 1: seq + 1])
-                if self.zero is not None:
-                    self.zero.backward(loss)  # scales by 1 / micro itself
-                else:
-                    (loss / micro).backward()
-                loss_sum += loss.detach().double()
-        allreduce_sequence_parallel_grads(self.model, layout.tp_group)
-        if self.zero is None:
-            average_gradients(self.model, layout)
+        with autocast_for(layout.device, self.dtype):
+            loss_sum = self.engine.forward_backward(batch[:, :seq], batch[:, 1: seq + 1], micro)
+        grad_norm = self.engine.update()  # not finite: the update was skipped
         if layout.dp > 1:
             dist.all_reduce(loss_sum, group=layout.dp_group)
         loss = (loss_sum / (micro * layout.dp)).item()
-        if self.zero is not None:  # DP reduction, clipping; a non-finite norm skips the update
-            grad_norm = self.zero.step()
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        else:
-            grad_norm = gradient_norm(self.model, layout).item()
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if finite:
-                if cfg.optim.grad_clip > 0:
-                    torch.nn.utils.clip_grads_with_norm_(
-                        self.model.parameters(), cfg.optim.grad_clip,
-                        torch.tensor(grad_norm, device=layout.device))
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm}")
         self._count_skip(finite)
@@ -350,8 +277,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         f"device {layout.device}, {trainer.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s"
         + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
            if trainer.resume_from else "")))
-    if trainer.pipeline is not None:
-        _print_main(layout, *trainer.pipeline.describe())
+    _print_main(layout, *trainer.engine.describe())
     if trainer.step >= stop_at:
         _print_main(layout, (
             f"nothing to train: the run is already at step {trainer.step} of "
@@ -461,12 +387,9 @@ def _validate(trainer: Trainer, metrics, tracker) -> None:
     from data_pipeline import DataError
 
     cfg, layout = trainer.cfg, trainer.layout
-    model = trainer.pipeline or trainer.model  # the runner evaluates through the stages
-    if trainer.zero is not None and trainer.pipeline is None:
-        model = trainer.zero.module  # through DeepSpeed's hooks (ZeRO-3 gathers weights)
     try:
-        result = evaluate(model, cfg.data.path, trainer.local_batch, dp_rank=layout.dp_rank,
-                          dp_size=layout.dp, dp_group=layout.dp_group,
+        result = evaluate(trainer.engine.eval_model, cfg.data.path, trainer.local_batch,
+                          dp_rank=layout.dp_rank, dp_size=layout.dp, dp_group=layout.dp_group,
                           max_batches=cfg.data.val_batches, device=layout.device,
                           dtype=trainer.dtype, seq_len=trainer.model_cfg.seq_len)
     except DataError as err:

@@ -1,0 +1,225 @@
+"""How this rank computes a step's loss and holds its state, whatever the strategies.
+
+An `Engine` is two independent choices, made once by `build_engine`:
+
+- the **forward** runs the micro-batches of a step: the whole model on this rank
+  (`LocalForward`, tensor-parallel shards inside it) or this rank's pipeline stages under
+  their schedule (`PipelineForward`, parallel/pipeline.py);
+- the **update** turns the accumulated gradients into new weights: our AdamW with the
+  data-parallel mean taken here (`AdamWUpdate`) or DeepSpeed's ZeRO engine, which reduces,
+  clips and steps itself (`ZeroUpdate`, parallel/zero.py).
+
+The trainer calls `forward_backward`, `update`, `eval_model`, `full_state` and
+`load_full_state` and never asks which combination it holds. State goes in and out in the
+layout-independent form of `pretrain.model.state` (full tensors by parameter name), so a
+checkpoint written by any engine loads into any other; this is the one place checkpoints
+meet the strategies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.layout import Layout, average_gradients, gradient_norm
+from parallel.tensor import allreduce_sequence_parallel_grads
+
+
+class AdamWUpdate:
+    """Our AdamW: DP mean of the gradients, global norm, clipping, a step unless non-finite."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
+                 grad_clip: float):
+        self.model, self.optimizer = model, optimizer
+        self.layout, self.grad_clip = layout, grad_clip
+
+    @property
+    def loss_module(self):
+        return self.model
+
+    @property
+    def eval_module(self):
+        return self.model
+
+    def backward(self, loss: torch.Tensor, microbatches: int) -> None:
+        (loss / microbatches).backward()
+
+    def update(self) -> float:
+        average_gradients(self.model, self.layout)
+        norm = gradient_norm(self.model, self.layout).item()
+        if math.isfinite(norm):
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(
+                    self.model.parameters(), self.grad_clip,
+                    torch.tensor(norm, device=self.layout.device))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def local_state(self) -> tuple[dict, dict]:
+        from pretrain.model.state import full_model_state, full_optimizer_state
+
+        return full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
+
+        load_full_model_state(self.model, model_state)
+        load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+
+
+class ZeroUpdate:
+    """DeepSpeed's ZeRO engine: it scales, reduces over DP, clips and steps itself."""
+
+    def __init__(self, zero):  # parallel.zero.ZeroEngine
+        self.zero = zero
+
+    @property
+    def loss_module(self):
+        return self.zero  # forward through the engine: ZeRO-3 gathers weights in its hooks
+
+    @property
+    def eval_module(self):
+        return self.zero.module  # through DeepSpeed's hooks too
+
+    def backward(self, loss: torch.Tensor, microbatches: int) -> None:
+        self.zero.backward(loss)  # scales by 1 / microbatches itself
+
+    def update(self) -> float:
+        return self.zero.step()  # a non-finite norm: DeepSpeed skipped the update
+
+    def local_state(self) -> tuple[dict, dict]:
+        return self.zero.full_model_state(), self.zero.full_optimizer_state()
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        self.zero.load_full_state(model_state, optimizer_state)
+
+
+class LocalForward:
+    """The whole model on this rank: micro-batches one after another (gradient accumulation)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def forward_backward(self, tokens, targets, microbatches: int, update) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+        for t, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
+            loss = update.loss_module.loss(t, y)
+            update.backward(loss, microbatches)
+            total += loss.detach().double()
+        return total
+
+    def eval_model(self, update):
+        return update.eval_module
+
+    def gather(self, state: dict) -> dict:
+        return state
+
+    def local(self, model_state: dict) -> dict:
+        return model_state
+
+    def describe(self) -> list[str]:
+        return []
+
+
+class PipelineForward:
+    """This rank's stages: the schedule runs the micro-batches and the backward."""
+
+    def __init__(self, runner):  # parallel.pipeline.PipelineRunner
+        self.runner = runner
+
+    def forward_backward(self, tokens, targets, microbatches: int, update) -> torch.Tensor:
+        return self.runner.train_step(tokens, targets)
+
+    def eval_model(self, update):
+        return self.runner  # forward only, the whole batch through the stages in turn
+
+    def gather(self, state: dict) -> dict:
+        return self.runner.gather_to_main(state)
+
+    def local(self, model_state: dict) -> dict:
+        return self.runner.local_model_state(model_state)
+
+    def describe(self) -> list[str]:
+        return self.runner.describe()
+
+
+class Engine:
+    """One rank's model, optimizer and step, behind one interface (see the module doc)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, forward, update,
+                 layout: Layout):
+        self.model, self.optimizer, self.layout = model, optimizer, layout
+        self.forward, self.update_rule = forward, update
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                         microbatches: int) -> torch.Tensor:
+        """Sum of the micro-batch mean losses of this rank's batch (float64); gradients
+        accumulate in the parameters."""
+        return self.forward.forward_backward(tokens, targets, microbatches, self.update_rule)
+
+    def update(self) -> float:
+        """Reduce the gradients, clip, step; the global gradient norm before clipping (not
+        finite: the update was skipped). Gradients are cleared."""
+        allreduce_sequence_parallel_grads(self.model, self.layout.tp_group)
+        return self.update_rule.update()
+
+    @property
+    def eval_model(self):
+        """What `pretrain.evaluate` runs a forward-only loss through."""
+        return self.forward.eval_model(self.update_rule)
+
+    def full_state(self) -> dict[str, Any]:
+        """{"model", "optimizer"}: full tensors by name, complete on global rank 0
+        (collective: tensor-parallel shards gathered, pipeline stages merged)."""
+        model_state, optimizer_state = self.update_rule.local_state()
+        return {"model": self.forward.gather(model_state),
+                "optimizer": self.forward.gather(optimizer_state)}
+
+    def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
+        """Load this rank's part of a full state written by any engine at any layout."""
+        self.update_rule.load(self.forward.local(model_state), optimizer_state)
+
+    def describe(self) -> list[str]:
+        return self.forward.describe()
+
+
+def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
+    """The model (whole, or this rank's pipeline stages), its AdamW and, with
+    parallel.zero_stage, DeepSpeed around them."""
+    from pretrain.optim import build_optimizer
+
+    p = cfg.parallel
+    if layout.pp > 1:
+        from parallel.pipeline import PipelineRunner
+
+        local_batch = cfg.train.batch_size // layout.dp
+        runner = PipelineRunner(
+            model_cfg, microbatches=p.microbatches, micro_batch=local_batch // p.microbatches,
+            virtual_stages=p.virtual_stages, pp_split=p.pp_split, transfer=p.pp_transfer,
+            seed=cfg.train.seed, device=layout.device, sequence_parallel=p.sequence_parallel,
+            activation_checkpointing=p.activation_checkpointing == "block")
+        model, forward = runner.model, PipelineForward(runner)
+    else:
+        from parallel.checkpointing import apply_activation_checkpointing
+        from pretrain.model import DenseFormer
+
+        model = DenseFormer(model_cfg, seed=cfg.train.seed,
+                            sequence_parallel=p.sequence_parallel).to(layout.device)
+        apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
+        forward = LocalForward(model)
+    optimizer = build_optimizer(model, cfg.optim)
+    if p.zero_stage:
+        from parallel.zero import ZeroEngine
+
+        update = ZeroUpdate(ZeroEngine(model, optimizer, cfg, dtype=dtype))
+    else:
+        update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip)
+    return Engine(model, optimizer, forward, update, layout)
