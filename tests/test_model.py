@@ -109,7 +109,6 @@ def test_efficient_dwa_equals_naive_sum():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.gpu
 def test_activation_checkpointing_gives_same_gradients():
     from torch.utils.checkpoint import checkpoint
 
