@@ -19,6 +19,6 @@ $PY -m pretrain eval --run "$RUN"
 cat <<MSG
 
 Run directory:  $RUN  (config.yaml, metrics.jsonl, loss_curve.png, checkpoints/)
-MLflow store:   sqlite:///$PWD/$RUN/mlflow.db
-Browse it with: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/$RUN/mlflow.db
+MLflow store:   sqlite:///$(realpath "$RUN")/mlflow.db
+Browse it with: .venv/bin/mlflow ui --backend-store-uri sqlite:///$(realpath "$RUN")/mlflow.db
 MSG
