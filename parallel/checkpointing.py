@@ -94,7 +94,7 @@ class _UnitRunner:
                  recorder: list | None = None):
         self.model = model
         self.recorder = recorder
-        self.plan = plan = model.dwa_plan
+        self.plan = plan = model.dwa_pattern  # pretrain/model/dwa_pattern.py
         self.lead_dwa = lead_dwa
         self.buffers = None if functional or not plan.slot else DWABuffers(plan.class_sizes, x0)
         # j -> autograd handle of an X_j that a later DWA reads: after(X_j) when buffered

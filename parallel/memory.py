@@ -2,8 +2,10 @@
 
     python -m parallel.memory --config FILE [--set key=value ...] [--world-size N] [--json]
 
-Pure arithmetic (no model is built, torch is not imported unless pp > 1), fast for the paper
-shapes. For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
+Pure arithmetic (no model is built, torch is not imported), fast for the paper shapes; the
+sweep dry run (`python -m slurm sweep --dry-run`) shows its largest per-rank total.
+Which X_j the DWAs keep comes from the model config's `DWAPattern` (`stored`, `inputs`).
+For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 
 - parameters, gradients and AdamW state after ZeRO partitioning (parallel/zero.py). Without
   ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
@@ -36,11 +38,13 @@ JSON (`--json`, stdout holds only the document):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from dataclasses import dataclass, field
+
+from parallel.plan import build_plan, config_parser, load_run, micro_batch_size
+from pretrain.model.config import DenseFormerConfig
 
 FP32 = 4
 
@@ -93,39 +97,20 @@ class RankMemory:
 
 
 # ---------------------------------------------------------------------------------------------
-# The DWA pattern (pure Python; pretrain/model/dwa.py builds the same from torch tensors)
-
-
-def dwa_reads(model) -> dict[int, list[int]]:
-    """For each block i with a DWA, the j of the X_j it reads (S_i, docs/design.md)."""
-    d, k, p = model.n_layers, model.dwa_dilation, model.dwa_period
-    if not model.dwa:
-        return {}
-    low = (lambda i: 0) if model.dwa_window is None else (lambda i: i - model.dwa_window + 1)
-    return {i: [j for j in range(i % k, i + 1, k) if j >= low(i)] for i in range(p, d + 1, p)}
-
-
-def stored_outputs(model) -> set[int]:
-    """The X_j that some DWA reads: what the DWA buffers hold."""
-    return {j for js in dwa_reads(model).values() for j in js}
-
-
-# ---------------------------------------------------------------------------------------------
 # Parameters, gradients, optimizer state
 
 
-def local_parameters(model, tp: int, blocks: range, first: bool, last: bool,
+def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bool, last: bool,
                      decay_alphas: bool) -> dict[str, list[int]]:
     """Element counts of this rank's parameter tensors, by AdamW group ("decay" /
     "no_decay", as pretrain.optim.param_groups), in the model's parameter order."""
     h, r = model.d_model, model.mlp_ratio
-    padded = math.ceil(model.vocab_size / model.vocab_pad_multiple) * model.vocab_pad_multiple
     decay, no_decay = [], []
-    if model.dwa and dwa_reads(model):
-        d = model.n_layers
-        (decay if decay_alphas else no_decay).append(d * (d + 1))  # the full alpha matrix
+    pattern = model.dwa_pattern
+    if pattern.inputs:  # every rank holds the full alpha matrix
+        (decay if decay_alphas else no_decay).append(math.prod(pattern.alpha_shape))
     if first or last:
-        decay.append(padded * h // tp)  # embedding (tied LM head)
+        decay.append(model.padded_vocab_size * h // tp)  # embedding (tied LM head)
     for _ in blocks:
         no_decay.append(h)  # norm_attn
         decay.extend([3 * h * h // tp, h * h // tp])  # qkv, proj
@@ -222,11 +207,11 @@ def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[
                                                                    every)]
 
 
-def activation_terms(model, shape: ActivationShape, mode: str, every: int) -> dict[str, int]:
+def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
+                     every: int) -> dict[str, int]:
     """Bytes of one micro-batch through the whole model (no PP), by term."""
-    reads = dwa_reads(model)
-    stored = stored_outputs(model)
-    terms = {"dwa_buffers": len(stored) * shape.stream_tensor, "lm_head": shape.head}
+    pattern = model.dwa_pattern
+    terms = {"dwa_buffers": len(pattern.stored) * shape.stream_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
     if mode == "none":
         terms["blocks"] = model.n_layers * shape.block
@@ -234,7 +219,8 @@ def activation_terms(model, shape: ActivationShape, mode: str, every: int) -> di
     kept_inputs, working = 0, 0
     for unit in units:
         entry = unit.start - 1  # the unit's input is Y_entry
-        recomputed = mode == "dwa_block" and (entry in reads or entry in stored)
+        recomputed = mode == "dwa_block" and (pattern.has_dwa(entry)
+                                              or entry in pattern.last_reader)
         kept_inputs += 0 if recomputed else 1
         working = max(working, len(unit) * shape.block
                       - (0 if recomputed else shape.stream_tensor))
@@ -243,20 +229,20 @@ def activation_terms(model, shape: ActivationShape, mode: str, every: int) -> di
     return terms
 
 
-def pipeline_activation_terms(model, shape: ActivationShape, mode: str, every: int,
-                              pp: int, pp_rank: int, microbatches: int,
+def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
+                              every: int, pp: int, pp_rank: int, microbatches: int,
                               plan) -> dict[str, int]:
     """Bytes on pipeline rank `pp_rank` under 1F1B: its stages' blocks for each micro-batch
     in flight, the tensors each received, and one recompute working set. Approximate (the
     stages run the functional DWA, which keeps each X_j it reads once)."""
     in_flight = min(pp - pp_rank, microbatches)
-    reads = dwa_reads(model)
     per_micro, working = 0, 0
     for s in plan.stages_of_rank(pp_rank):
         first, last = plan.stages[s]
         blocks = range(first, last + 1)
-        stored = {j for i, js in reads.items() if i >= first for j in js if j <= last}
-        per_micro += len(stored & set(blocks)) * shape.stream_tensor
+        # The X_j made on this stage that some DWA reads (all such DWAs come after block j).
+        stored = [j for j in blocks if j in plan.pattern.last_reader]
+        per_micro += len(stored) * shape.stream_tensor
         if s > 0:
             count = plan.counts[s - 1]
             per_micro += count[plan.transfer] * shape.stream_tensor
@@ -277,30 +263,28 @@ def pipeline_activation_terms(model, shape: ActivationShape, mode: str, every: i
 # The estimate
 
 
-def estimate(cfg, world_size: int | None = None, device: str = "cuda") -> list[RankMemory]:
-    """RankMemory of every rank of the layout (`cfg`: pretrain.config.Config)."""
-    p, model = cfg.parallel, cfg.model
-    if model.vocab_size is None:
-        raise ValueError("model.vocab_size is null: set it (--set model.vocab_size=N)")
+def estimate(cfg, world_size: int | None = None, device: str = "cuda",
+             model: DenseFormerConfig | None = None) -> list[RankMemory]:
+    """RankMemory of every rank of the layout (`cfg`: pretrain.config.Config; `model`: its
+    model config, built from cfg.model when not given)."""
+    p = cfg.parallel
+    if model is None:
+        model = cfg.model.build_config()  # ConfigError naming model.vocab_size if it is null
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
     dtype = cfg.train.dtype
     if dtype == "auto":
         dtype = "bf16" if device == "cuda" else "fp32"
     precision = Precision.of(dtype, p.zero_stage)
-    padded = math.ceil(model.vocab_size / model.vocab_pad_multiple) * model.vocab_pad_multiple
     shape = ActivationShape(
-        micro_batch=cfg.train.batch_size // (dp * p.microbatches), seq=model.seq_len,
+        micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
-        padded_vocab=padded, vocab=model.vocab_size, tp=p.tp,
+        padded_vocab=model.padded_vocab_size, vocab=model.vocab_size, tp=p.tp,
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
     if p.pp > 1:
-        from parallel.plan import build_plan
-
-        plan = build_plan(model.build_config(), p.pp, p.virtual_stages, p.pp_split,
-                          p.pp_transfer)
+        plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
     for pp_rank in range(p.pp):
         if plan is None:
@@ -359,24 +343,14 @@ def describe(cfg, ranks: list[RankMemory]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel.memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (default tp x pp: no data parallelism)")
+    parser = config_parser("python -m parallel.memory", __doc__)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="what train.dtype=auto resolves to (default cuda: bf16)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON document")
     args = parser.parse_args(argv)
-
-    from pretrain.config import ConfigError, load_config
-
     try:
-        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-        ranks = estimate(cfg, args.world_size, args.device)
-    except (ConfigError, ValueError) as err:
+        cfg, model = load_run(args)
+        ranks = estimate(cfg, args.world_size, args.device, model)
+    except ValueError as err:  # ConfigError is one
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:

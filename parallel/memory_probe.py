@@ -138,30 +138,26 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
 
 def main(argv: list[str] | None = None) -> int:
     """Measured vs estimated activation bytes of one micro-batch, per checkpointing mode."""
-    import argparse
     import json
 
-    parser = argparse.ArgumentParser(
-        prog="python -m parallel.memory_probe",
-        description="Measure one micro-batch's activation memory (fp32, this process, no "
-                    "parallelism) in each checkpointing mode and compare with the estimator.")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE")
+    from parallel.plan import config_parser, load_run, micro_batch_size
+
+    parser = config_parser(
+        "python -m parallel.memory_probe",
+        "Measure one micro-batch's activation memory (fp32, this process, no parallelism) in "
+        "each checkpointing mode and compare with the estimator.", world_size=False)
     parser.add_argument("--modes", default="none,block,dwa_block",
                         help="comma-separated MODE or MODE:EVERY (default none,block,dwa_block)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
     from parallel.checkpointing import apply_activation_checkpointing
     from parallel.memory import estimate
-    from pretrain.config import load_config
     from pretrain.model import DenseFormer
 
-    cfg = load_config(args.config, [*args.overrides, "train.dtype=fp32"], world_size=1)
-    model = DenseFormer(cfg.model.build_config(), seed=cfg.train.seed)
-    micro_batch = cfg.train.batch_size // cfg.parallel.microbatches
-    batch = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1),
+    cfg, model_cfg = load_run(args, "train.dtype=fp32")
+    model = DenseFormer(model_cfg, seed=cfg.train.seed)
+    micro_batch = micro_batch_size(cfg, 1)
+    batch = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))
     rows = []
     for item in args.modes.split(","):
@@ -170,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every = mode, every
         apply_activation_checkpointing(model, mode, every)
         report = measure_activations(model, batch[:, :-1], batch[:, 1:])
-        estimated = estimate(cfg, 1, device="cpu")[0].activation_bytes
+        estimated = estimate(cfg, 1, "cpu", model_cfg)[0].activation_bytes
         rows.append({"mode": mode, "every": every, **report.as_dict(),
                      "estimated_bytes": estimated})
     if args.json:
         print(json.dumps(rows))
         return 0
-    m = cfg.model
+    m = model_cfg
     print(f"{m.n_layers} x {m.d_model}, seq {m.seq_len}, micro-batch {micro_batch}, vocab "
           f"{m.vocab_size}, fp32; MiB:")
     print(f"{'mode':>14} {'autograd':>9} {'buffers':>9} {'recompute':>9} {'measured':>9} "

@@ -19,8 +19,8 @@ forward FLOPs in block units, 2 V H / (2 (4 + 2 m) H^2 + 4 S H) per token. With
 `parallel.virtual_stages` v > 1 there are pp x v stages, stage s on pipeline rank s mod pp
 (interleaved 1F1B).
 
-Only the standard library is imported at module level (config validation and the CLI stay
-light); torch comes in with the DWA pattern when a plan is built.
+Plain Python, no torch: config validation, the memory estimator and the sweep dry run build
+plans quickly. The DWA pattern comes from the model config (`DenseFormerConfig.dwa_pattern`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import json
 import sys
 from dataclasses import dataclass
 
+from parallel import stage_state
 from pretrain.model.config import DenseFormerConfig
+from pretrain.model.dwa_pattern import DWAPattern
 
 BOUNDARY_DTYPE_BYTES = 4  # the residual stream crosses stages in fp32
 
@@ -122,6 +124,7 @@ class PipelinePlan:
     per-boundary tensor counts of both modes and of the lower bound."""
 
     config: DenseFormerConfig
+    pattern: DWAPattern  # config.dwa_pattern, which the programs were made from
     pp: int
     virtual_stages: int
     transfer: str
@@ -181,39 +184,59 @@ class PipelinePlan:
 
 def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
                split: list[int] | None = None, transfer: str = "optimal") -> PipelinePlan:
-    """The PipelinePlan of a model shape and pipeline layout."""
-    from parallel import stage_state
-    from pretrain.model.dwa import dwa_inputs
-
+    """The PipelinePlan of a model shape and pipeline layout (from `cfg.dwa_pattern`)."""
+    pattern = cfg.dwa_pattern
     stages = ranges(stage_split(cfg, pp, virtual_stages, split))
-    inputs = dwa_inputs(cfg)
-    k = cfg.dwa_dilation
-    programs = stage_state.stage_programs(inputs, cfg.n_layers, k, stages, transfer)
+    programs = stage_state.stage_programs(pattern, stages, transfer)
     boundaries = [last for _, last in stages[:-1]]
-    raw = stage_state.boundary_states(inputs, k, boundaries, "raw")
-    optimal = stage_state.boundary_states(inputs, k, boundaries, "optimal")
+    raw = stage_state.boundary_states(pattern, boundaries, "raw")
+    optimal = stage_state.boundary_states(pattern, boundaries, "optimal")
     counts = [{"after_block": b, "raw": len(r), "optimal": len(o),
-               "bound": stage_state.lower_bound(inputs, k, b)}
+               "bound": stage_state.lower_bound(pattern, b)}
               for b, r, o in zip(boundaries, raw, optimal, strict=True)]
-    return PipelinePlan(cfg, pp, virtual_stages, transfer, stages, programs, counts)
+    return PipelinePlan(cfg, pattern, pp, virtual_stages, transfer, stages, programs, counts)
 
 
-def plan_from_config(cfg, world_size: int | None = None) -> tuple[PipelinePlan, int]:
-    """(plan, micro-batch size) of a run config (pretrain.config.Config); without a world
-    size, data parallelism is taken as 1."""
-    from pretrain.config import ConfigError
-
+def micro_batch_size(cfg, world_size: int | None = None) -> int:
+    """Sequences per micro-batch on one rank of a run config (pretrain.config.Config); without
+    a world size, data parallelism is taken as 1."""
     p = cfg.parallel
-    if cfg.model.vocab_size is None:
-        vocab = _vocab_from_data(cfg.data.path)
-        if vocab is None:
-            raise ConfigError("model.vocab_size", "is null and data.path has no index.json: "
-                              "set it (the LM head's cost enters the balanced split)")
-        cfg.model.vocab_size = vocab
-    model = cfg.model.build_config()
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
-    micro_batch = cfg.train.batch_size // (dp * p.microbatches)
-    return build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer), micro_batch
+    return cfg.train.batch_size // (dp * p.microbatches)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the command lines of parallel.plan, parallel.memory and parallel.memory_probe share
+
+
+def config_parser(prog: str, description: str, world_size: bool = True) -> argparse.ArgumentParser:
+    """An argument parser with --config, --set, --json and (if `world_size`) --world-size."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key (repeatable)")
+    if world_size:
+        parser.add_argument("--world-size", type=int, default=None,
+                            help="number of ranks: sets the data-parallel size and so the "
+                                 "micro-batch (default tp x pp: no data parallelism)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON document")
+    return parser
+
+
+def load_run(args: argparse.Namespace, *overrides: str):
+    """(run config, DenseFormerConfig) of a `config_parser` command line; `overrides` come
+    after the user's. A null model.vocab_size is read from data.path/index.json. Raises
+    ConfigError naming the key."""
+    from pretrain.config import ConfigError, load_config
+
+    world_size = getattr(args, "world_size", None)
+    cfg = load_config(args.config, [*args.overrides, *overrides], world_size=world_size)
+    vocab = cfg.model.vocab_size or _vocab_from_data(cfg.data.path)
+    if vocab is None:
+        raise ConfigError("model.vocab_size", "is null and data.path has no index.json: set it "
+                          "(--set model.vocab_size=N)")
+    return cfg, cfg.model.build_config(vocab)
 
 
 def _vocab_from_data(path) -> int | None:
@@ -227,24 +250,15 @@ def _vocab_from_data(path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parallel.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks (sets the data-parallel size; default tp x pp)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON document")
-    args = parser.parse_args(argv)
-
-    from pretrain.config import ConfigError, load_config
-
+    args = config_parser("python -m parallel.plan", __doc__).parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-        plan, micro_batch = plan_from_config(cfg, args.world_size)
-    except (ConfigError, ValueError) as err:
+        cfg, model = load_run(args)
+        p = cfg.parallel
+        plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
+    except ValueError as err:  # ConfigError is one
         print(f"error: {err}", file=sys.stderr)
         return 2
+    micro_batch = micro_batch_size(cfg, args.world_size)
     if args.json:
         print(json.dumps(plan.report(micro_batch)))
     else:

@@ -24,8 +24,13 @@ from parallel import groups
 from parallel.stage_state import StageProgram, run_program
 from parallel.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.denseformer import DenseFormer, _mark_tensor_parallel, megatron_config
-from pretrain.model.dwa import dwa_inputs, dwa_mask, initial_alpha
+from pretrain.model.denseformer import (
+    DenseFormer,
+    _mark_tensor_parallel,
+    dwa_alpha_parameter,
+    dwa_mask_tensor,
+    megatron_config,
+)
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init
 
@@ -57,9 +62,9 @@ class StageModel(nn.Module):
         self.final_norm = None
         if any(p.is_last for p in programs):
             self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
-        self.register_buffer("dwa_pattern", dwa_mask(cfg), persistent=False)
-        self._dwa_rows = dwa_inputs(cfg)
-        self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
+        self.dwa_pattern = cfg.dwa_pattern  # the object the plan's programs were made from
+        self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
+        self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
         _mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
@@ -79,7 +84,7 @@ class StageModel(nn.Module):
         """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
         n = sum(p.numel() for p in self.parameters())
         if self.dwa_alpha is not None:
-            n -= self.dwa_alpha.numel() - int(self.dwa_pattern.sum())
+            n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
         if non_embedding and self.embedding is not None:
             n -= self.embedding.weight.numel()
         return n

@@ -1,8 +1,9 @@
 """The cross-stage DWA state of a pipelined DenseFormer (docs/design.md#the-boundary-state-bound).
 
-Index conventions (pretrain/model/config.py): blocks are numbered 1..d, X_0 is the embedding
-output, block i maps Y_{i-1} to X_i, and the DWA after block i (if any) is
-Y_i = sum_{j in S_i} alpha[i, j] X_j, where S_i holds only j = i (mod k).
+Index conventions (pretrain/model/dwa_pattern.py): blocks are numbered 1..d, X_0 is the
+embedding output, block i maps Y_{i-1} to X_i, and the DWA after block i (if any) is
+Y_i = sum_{j in S_i} alpha[i, j] X_j, where S_i holds only j = i (mod k). Every function here
+reads S_i from the model's `DWAPattern` (`pattern.inputs`), never from (d, k, p).
 
 A stage boundary b lies after block b, the last block of a stage. A *consumer* at b is
 something after the boundary that reads an X_j with j <= b:
@@ -39,7 +40,10 @@ tensor is formed; `run_program` executes it on tensors. Everything here except
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from pretrain.model.dwa_pattern import DWAPattern
 
 TRANSFER_MODES = ("optimal", "raw")
 
@@ -73,9 +77,9 @@ class BoundaryClass:
         return frozenset(Item("x", j) for j in self.producers)
 
 
-def boundary_classes(inputs: dict[int, list[int]], k: int, b: int) -> dict[int, BoundaryClass]:
-    """{r: BoundaryClass} at the boundary after block b. `inputs[c]` is S_c for each block c
-    that has a DWA (pretrain.model.dwa.dwa_inputs)."""
+def boundary_classes(pattern: DWAPattern, b: int) -> dict[int, BoundaryClass]:
+    """{r: BoundaryClass} at the boundary after block b."""
+    inputs, k = pattern.inputs, pattern.dilation
     consumers: dict[int, set[Item]] = {}
     producers: dict[int, set[int]] = {}
     for c, js in inputs.items():
@@ -90,18 +94,18 @@ def boundary_classes(inputs: dict[int, list[int]], k: int, b: int) -> dict[int, 
             for r in sorted(consumers)}
 
 
-def lower_bound(inputs: dict[int, list[int]], k: int, b: int) -> int:
+def lower_bound(pattern: DWAPattern, b: int) -> int:
     """sum_r min(|P_r|, |C_r|): the fewest hidden-size tensors that can cross boundary b
     (for generic alphas, without a Last-K window)."""
     return sum(min(len(cl.consumers), len(cl.producers))
-               for cl in boundary_classes(inputs, k, b).values())
+               for cl in boundary_classes(pattern, b).values())
 
 
-def raw_items(inputs: dict[int, list[int]], b: int) -> tuple[Item, ...]:
-    """Mode `raw` at boundary b: the X_j (j <= b) a DWA after block b reads, and the next
-    input as computed (Y_b, or X_b)."""
-    items = {Item("x", j) for c, js in inputs.items() if c > b for j in js if j <= b}
-    items.add(Item("sum", b) if b in inputs else Item("x", b))
+def raw_items(pattern: DWAPattern, b: int) -> tuple[Item, ...]:
+    """Mode `raw` at boundary b: the X_j (j <= b) a DWA after block b reads (those whose
+    last reader lies past b), and the next input as computed (Y_b, or X_b)."""
+    items = {Item("x", j) for j, last in pattern.last_reader.items() if j <= b < last}
+    items.add(Item("sum", b) if pattern.has_dwa(b) else Item("x", b))
     return _ordered(items)
 
 
@@ -119,14 +123,14 @@ def _switch_points(classes: list[dict[int, BoundaryClass]]) -> dict[int, int]:
     return switch
 
 
-def boundary_states(inputs: dict[int, list[int]], k: int, boundaries: list[int],
+def boundary_states(pattern: DWAPattern, boundaries: list[int],
                     mode: str) -> list[tuple[Item, ...]]:
     """The Items crossing each boundary (blocks after which a stage ends, increasing)."""
     if mode == "raw":
-        return [raw_items(inputs, b) for b in boundaries]
+        return [raw_items(pattern, b) for b in boundaries]
     if mode != "optimal":
         raise ValueError(f"transfer mode must be one of {TRANSFER_MODES}, got {mode!r}")
-    classes = [boundary_classes(inputs, k, b) for b in boundaries]
+    classes = [boundary_classes(pattern, b) for b in boundaries]
     switch = _switch_points(classes)
     states = []
     for t, per_class in enumerate(classes):
@@ -180,10 +184,11 @@ class StageProgram:
                 if src.kind == "dwa" for j in src.terms}
 
 
-def stage_program(inputs: dict[int, list[int]], n_layers: int, first: int, last: int,
-                  incoming: tuple[Item, ...], outgoing: tuple[Item, ...]) -> StageProgram:
+def stage_program(pattern: DWAPattern, first: int, last: int, incoming: tuple[Item, ...],
+                  outgoing: tuple[Item, ...]) -> StageProgram:
     """Check that `incoming` suffices to produce `outgoing` (and every block input) on a
     stage of blocks first..last, and say how; raises ValueError otherwise."""
+    inputs, n_layers = pattern.inputs, pattern.n_layers
     b_in = first - 1
     received_x = {item.index for item in incoming if item.kind == "x"}
     received_sums = {item.index for item in incoming if item.kind == "sum"}
@@ -217,14 +222,14 @@ def stage_program(inputs: dict[int, list[int]], n_layers: int, first: int, last:
                         sources)
 
 
-def stage_programs(inputs: dict[int, list[int]], n_layers: int, k: int,
-                   stages: list[tuple[int, int]], mode: str) -> list[StageProgram]:
+def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
+                   mode: str) -> list[StageProgram]:
     """One StageProgram per stage (inclusive block ranges, in order, covering 1..d)."""
     boundaries = [last for _, last in stages[:-1]]
-    states = boundary_states(inputs, k, boundaries, mode)
+    states = boundary_states(pattern, boundaries, mode)
     incoming = [()] + states
     outgoing = states + [()]
-    return [stage_program(inputs, n_layers, first, last, incoming[s], outgoing[s])
+    return [stage_program(pattern, first, last, incoming[s], outgoing[s])
             for s, (first, last) in enumerate(stages)]
 
 

@@ -49,9 +49,9 @@ def format_table(sweep: Sweep) -> str:
             f"{run.tokens:>10.4g} {run.config.train.steps:>7} {run.compute:>10.3e} "
             f"{memory:>9}")
     lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
-                 "C = 6 N D FLOPs; mem/rank: an estimate (slurm/estimate.py: weights, "
-                 "gradients, AdamW at 16 B/param + activations), n/a until the vocabulary "
-                 "is known")
+                 "C = 6 N D FLOPs; mem/rank: an estimate of the fullest rank (python -m "
+                 "parallel.memory: weights, gradients, AdamW, activations), n/a until the "
+                 "vocabulary is known")
     return "\n".join(lines)
 
 

@@ -228,8 +228,8 @@ def _resolve_config(base: Path, layers: list[tuple[str, dict]], cli_overrides: l
 def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | None = None,
            tracking_uri: str | None = None) -> Sweep:
     """Read a sweep file and expand it into validated runs (nothing is written)."""
+    from parallel.memory import estimate as estimate_memory
     from pretrain.config import ConfigError, validate
-    from slurm.estimate import estimate_memory
 
     path = Path(path).resolve()
     data = load_sweep_file(path)
@@ -339,16 +339,16 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                 validate(cfg, world_size=world)
             except ConfigError as err:
                 raise SweepError(f"run {run_name}: {err}") from None
-            micro = cfg.train.batch_size // (world // (cfg.parallel.tp * cfg.parallel.pp)) \
-                // cfg.parallel.microbatches
-            gpu = slurm["gpus_per_node"] or cfg.train.device == "cuda"
-            memory = estimate_memory(model, micro, 2 if gpu else 4, cfg.parallel.tp) \
-                if vocab else None
+            memory = None  # the largest rank's total; n/a until the vocabulary is known
+            if vocab:
+                gpu = slurm["gpus_per_node"] or cfg.train.device == "cuda"
+                memory = max(r.total_bytes for r in estimate_memory(
+                    cfg, world, "cuda" if gpu else "cpu", model))
             runs.append(RunSpec(
                 index=len(runs), name=run_name, architecture=arch.name, config=cfg,
                 n_params=n_params, tokens=run_tokens, compute=6.0 * n_params * run_tokens,
                 model_flops=model.flops_per_token() * run_tokens,
-                memory_bytes=memory.total if memory else None,
+                memory_bytes=memory,
                 values={"n_layers": model.n_layers, "d_model": model.d_model, "seed": seed,
                         **({"lr": lr} if lr is not None else {})}))
     names = [r.name for r in runs]

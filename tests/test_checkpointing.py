@@ -31,7 +31,7 @@ def make_model(case: str):
         with torch.no_grad():
             gen = torch.Generator().manual_seed(1)
             model.dwa_alpha.add_(torch.randn(model.dwa_alpha.shape, generator=gen)
-                                 * model.dwa_pattern)
+                                 * model.dwa_mask)
     return model
 
 
@@ -87,7 +87,7 @@ def test_dwa_block_stores_each_read_output_once(case):
     inputs of units that no DWA reads, and the LM head's tensors; block internals, DWA
     outputs Y_i and second copies of X_j are all recomputed. Checked against autograd."""
     from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory import ActivationShape, Precision, stored_outputs
+    from parallel.memory import ActivationShape, Precision
     from parallel.memory_probe import measure_activations
 
     model = make_model(case)
@@ -96,8 +96,8 @@ def test_dwa_block_stores_each_read_output_once(case):
                             padded_vocab=cfg.padded_vocab_size, vocab=200, tp=1,
                             sequence_parallel=False, precision=Precision(4, 4, 4))
     tokens = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(2))
-    stored = stored_outputs(cfg)
-    reads = model.dwa_plan.inputs
+    stored = cfg.dwa_pattern.stored
+    reads = cfg.dwa_pattern.inputs
     slack = 64 * len(reads)
     totals = {}
     for functional in (False, True):
@@ -108,7 +108,7 @@ def test_dwa_block_stores_each_read_output_once(case):
         kept_inputs = [j for j in range(cfg.n_layers) if j not in reads
                        and (functional or j not in stored)]
         if not functional:
-            assert report.stored_outputs == len(stored) == len(model.dwa_plan.slot)
+            assert report.stored_outputs == len(stored) == len(model.dwa_pattern.slot)
             assert report.dwa_buffer_bytes == len(stored) * shape.stream_tensor
             # Autograd itself keeps only the head and the unit inputs nobody else stores
             # (and each DWA outside a unit its few alpha weights: a few bytes).

@@ -264,3 +264,31 @@ def test_cli_pipeline_stages_and_bad_config():
     bad = run_memory("--config", "configs/paper/dense-48-1x1.yaml", "--set", "parallel.tp=2",
                      "--set", "parallel.zero_stage=2")
     assert bad.returncode == 2 and "parallel.zero_stage" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
+    """One loader behind `python -m parallel.plan` and `python -m parallel.memory`: the same
+    --set / --world-size / --json, and a null model.vocab_size read from data.path's index
+    (or named, exit 2, when there is no index)."""
+    from parallel.memory import estimate
+    from pretrain.config import load_config
+
+    args = ["--config", "configs/tiny.yaml", "--world-size", "2", "--json",
+            "--set", "model.vocab_size=null", "--set", f"data.path={tiny_data}"]
+    memory = run_memory(*args)
+    assert memory.returncode == 0, memory.stderr
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=512"], world_size=2)
+    assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in estimate(cfg, 2)]
+    plan = subprocess.run([sys.executable, "-m", "parallel.plan", *args, "--set",
+                           "parallel.pp=2"], capture_output=True, text=True, timeout=60,
+                          env=cli_env(), cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["micro_batch"] == cfg.train.batch_size  # 2 ranks = pp 2
+    for module in ("parallel.plan", "parallel.memory"):
+        missing = subprocess.run([sys.executable, "-m", module, *args[:-1], "data.path=null"],
+                                 capture_output=True, text=True, timeout=60, env=cli_env(),
+                                 cwd=ROOT)
+        assert missing.returncode == 2 and "model.vocab_size" in missing.stderr, (
+            module, missing.stderr)
+        assert missing.stdout == ""

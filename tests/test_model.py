@@ -1,10 +1,14 @@
 """DenseFormer model: DWA math against a naive reference, identity init, API contracts."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from pretrain.model import DenseFormer, DenseFormerConfig, ModelConfigError
-from pretrain.model.dwa import depth_weighted_average, dwa_mask
+from pretrain.model.dwa import depth_weighted_average
+from tests.conftest import ROOT, cli_env
 
 SHAPES = [  # (d, k, p, window)
     (4, 1, 1, None),   # 1x1: every DWA reads every earlier output
@@ -72,10 +76,55 @@ def test_dwa_matches_naive_formula(d, k, p, window, functional):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for name, param in model.named_parameters():
         if name == "dwa_alpha":
-            expected = alpha.grad * dwa_mask(model.config)
+            expected = alpha.grad * model.dwa_mask
             torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6)
         else:
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("d,k,p,window", SHAPES)
+def test_dwa_pattern_follows_the_definition(d, k, p, window):
+    """The one DWAPattern against the set definition of docs/design.md#index-conventions,
+    written out independently here."""
+    pattern = tiny(d, k, p, window).dwa_pattern
+    expected = {i: [j for j in range(i + 1) if j % k == i % k
+                    and (window is None or j > i - window)]
+                for i in range(1, d + 1) if i % p == 0}
+    assert {i: list(js) for i, js in pattern.inputs.items()} == expected
+    assert list(pattern.stored) == sorted({j for js in expected.values() for j in js})
+    for j in pattern.stored:  # kept until the last DWA that reads it
+        assert pattern.last_reader[j] == max(i for i, js in expected.items() if j in js)
+    for i, js in expected.items():  # the buffered DWA reads S_i as one slice of its class
+        r, start, stop = pattern.reads[i]
+        assert r == i % k and [pattern.slot[j] for j in js] == [(r, n) for n in range(start,
+                                                                                       stop)]
+    assert sum(pattern.class_sizes.values()) == len(pattern.stored)
+    mask = torch.tensor(pattern.mask())
+    assert mask.shape == pattern.alpha_shape == (d, d + 1)
+    assert int(mask.sum()) == pattern.n_connections == sum(map(len, expected.values()))
+    init = torch.tensor(pattern.initial_alpha())
+    assert torch.equal(init, torch.tensor([[float(i in expected and j == i)
+                                            for j in range(d + 1)] for i in range(1, d + 1)]))
+
+
+def test_dwa_pattern_is_built_once_per_shape_and_handed_to_the_model():
+    cfg = tiny(7, 3, 2)
+    assert cfg.dwa_pattern is tiny(7, 3, 2).dwa_pattern
+    assert DenseFormer(cfg).dwa_pattern is cfg.dwa_pattern
+    assert tiny(7, 3, 2, window=2).dwa_pattern is not cfg.dwa_pattern
+    plain = DenseFormerConfig(**{**vars(cfg), "dwa": False})
+    assert not plain.dwa_pattern.inputs and plain.dwa_pattern.n_connections == 0
+
+
+def test_model_config_arithmetic_does_not_import_torch():
+    """Parameter counts and FLOPs (config validation, the sweep expander) stay torch-free."""
+    code = ("import sys; from pretrain.model.config import DenseFormerConfig as C; "
+            "c = C(n_layers=48, d_model=768, n_heads=12, vocab_size=50304, dwa_dilation=4, "
+            "dwa_period=5); c.num_params(); c.flops_per_token(); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=cli_env(), cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.gpu

@@ -105,13 +105,12 @@ def test_window_and_connect_to_last_stay_between_bound_and_raw():
 def test_partial_sums_only_switch_on_once_per_class():
     from parallel import stage_state
     from parallel.plan import build_plan
-    from pretrain.model.dwa import dwa_inputs
 
     cfg = model_config(24, 4, 1)
     plan = build_plan(cfg, 6, split=[4] * 6)
     seen_partial: set[int] = set()
     for program in plan.programs[:-1]:
-        classes = stage_state.boundary_classes(dwa_inputs(cfg), 4, program.last)
+        classes = stage_state.boundary_classes(plan.pattern, program.last)
         for r, cl in classes.items():
             partial = any(item in program.outgoing for item in cl.consumers
                           if item.kind == "sum")
@@ -203,7 +202,7 @@ def reference(model_name: str, batch: int, microbatches: int, seed: int = 0,
         # fp32 single-process run itself is 3e-5 (relative) away from fp64.
         with torch.no_grad():
             model.dwa_alpha.add_(0.5 * torch.randn(model.dwa_alpha.shape, generator=gen)
-                                 * model.dwa_pattern)
+                                 * model.dwa_mask)
     tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["seq_len"] + 1), generator=gen)
     total = 0.0
     for part in tokens.chunk(microbatches):

@@ -157,6 +157,28 @@ def test_paper_sweep_uses_isoflop_budgets():
     assert "--gpus-per-node=8" in sbatch_command(sweep, sweep.out)
 
 
+@pytest.mark.timeout(120)
+def test_sweep_memory_is_the_validated_estimator_and_stays_torch_free():
+    """mem/rank is parallel.memory's fullest rank (the estimator tests/test_memory.py checks
+    against autograd), not a formula of its own; expanding the sweep imports no torch."""
+    code = ("import json, sys; from slurm.sweep_spec import expand; "
+            "s = expand('configs/sweeps/paper-owt2.yaml'); "
+            "assert 'torch' not in sys.modules, 'expanding the sweep imported torch'; "
+            "print(json.dumps([r.memory_bytes for r in s.runs]))")
+    done = subprocess.run([sys.executable, "-c", code], env=cli_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    from parallel.memory import estimate
+
+    sweep = expand(ROOT / "configs/sweeps/paper-owt2.yaml")
+    world = sweep.slurm["nodes"] * sweep.slurm["nproc_per_node"]
+    printed = json.loads(done.stdout)
+    assert len(printed) == len(sweep.runs) == 36
+    for run, memory in zip(sweep.runs, printed, strict=True):
+        ranks = estimate(run.config, world, "cuda")
+        assert memory == run.memory_bytes == max(r.total_bytes for r in ranks), run.name
+
+
 def test_compute_with_tokens_per_param_picks_one_shape_per_budget(tmp_path):
     shapes = {"architecture": ["transformer"], "depth": [2], "width": [32, 64, 128],
               "head_dim": 16}

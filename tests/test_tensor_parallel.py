@@ -31,7 +31,7 @@ def make_model(case: str, sequence_parallel: bool = False):
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             model.dwa_alpha.add_(torch.randn(model.dwa_alpha.shape, generator=gen)
-                                 * model.dwa_pattern)
+                                 * model.dwa_mask)
     return model
 
 

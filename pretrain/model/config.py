@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
+
 RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
 
 
@@ -142,17 +144,21 @@ class DenseFormerConfig:
         m = self.vocab_pad_multiple
         return math.ceil(self.vocab_size / m) * m
 
+    @property
+    def dwa_pattern(self) -> DWAPattern:
+        """The DWA pattern of this shape (pretrain/model/dwa_pattern.py), one object per shape."""
+        return pattern_for_shape(self.n_layers, self.dwa_dilation,
+                                 self.dwa_period if self.dwa else None, self.dwa_window,
+                                 self.dwa_init_offdiag)
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count from the shape alone (tied embedding counted once)."""
-        from pretrain.model.dwa import dwa_mask
-
         h = self.d_model
         per_block = (3 + 1 + 2 * self.mlp_ratio) * h * h + 2 * h  # qkv, proj, mlp, 2 norms
         if self.skip_gains:
             per_block += 2
         n = self.n_layers * per_block + h  # + final norm
-        if self.dwa:
-            n += int(dwa_mask(self).sum())
+        n += self.dwa_pattern.n_connections  # the learned alphas
         if not non_embedding:
             n += self.padded_vocab_size * h
         return n
@@ -164,12 +170,10 @@ class DenseFormerConfig:
         and values (nanoGPT/PaLM convention, causal mask not discounted) + 6 * d_model *
         (number of alpha connections) for the DWAs (one multiply-add per connection).
         """
-        from pretrain.model.dwa import dwa_mask
-
         h = self.d_model
         matmul = self.n_layers * (4 + 2 * self.mlp_ratio) * h * h + self.padded_vocab_size * h
         attention = 12.0 * self.n_layers * self.seq_len * h
-        dwa = int(dwa_mask(self).sum()) * h if self.dwa else 0
+        dwa = self.dwa_pattern.n_connections * h
         return 6.0 * matmul + attention + 6.0 * dwa
 
 

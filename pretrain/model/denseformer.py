@@ -3,7 +3,7 @@
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
     logits = LM_head(final_norm(Y_d))          (LM head tied to the embedding)
 
-See config.py for the index conventions and dwa.py for the DWA pattern and contraction.
+See dwa_pattern.py for the index conventions and the DWA pattern, dwa.py for the contraction.
 """
 
 from __future__ import annotations
@@ -26,15 +26,8 @@ from torch import nn
 from parallel import groups
 from parallel.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.dwa import (
-    Combine,
-    DWABuffers,
-    DWAPlan,
-    StoreOutput,
-    depth_weighted_average,
-    dwa_mask,
-    initial_alpha,
-)
+from pretrain.model.dwa import Combine, DWABuffers, StoreOutput, depth_weighted_average
+from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init
 
@@ -84,11 +77,10 @@ class DenseFormer(nn.Module):
         self.blocks = nn.ModuleList(
             Block(cfg, mp, self.tp_group, self.rope) for _ in range(cfg.n_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
-        self.register_buffer("dwa_pattern", dwa_mask(cfg), persistent=False)
-        self.dwa_plan = DWAPlan.from_config(cfg)
-        self._dwa_rows = self.dwa_plan.inputs
+        self.dwa_pattern = cfg.dwa_pattern
+        self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
-        self.dwa_alpha = nn.Parameter(initial_alpha(cfg)) if self._dwa_rows else None
+        self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
         # Set by parallel.checkpointing.apply_activation_checkpointing: run_blocks then runs
         # the blocks (and DWAs) in checkpointed units.
         self.activation_checkpointing = None
@@ -116,26 +108,26 @@ class DenseFormer(nn.Module):
             functional = torch.compiler.is_compiling()
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing.run_blocks(self, x0, functional)
-        plan = self.dwa_plan
-        buffers = None if functional or not plan.slot else DWABuffers(plan.class_sizes, x0)
+        pattern = self.dwa_pattern
+        buffers = None if functional or not pattern.slot else DWABuffers(pattern.class_sizes, x0)
         kept = {}  # j -> X_j, for the X_j that a later DWA reads
 
         def keep(j: int, x: torch.Tensor) -> torch.Tensor:
-            if j in plan.slot:
-                x = x if buffers is None else StoreOutput.apply(x, buffers, *plan.slot[j])
+            if j in pattern.slot:
+                x = x if buffers is None else StoreOutput.apply(x, buffers, *pattern.slot[j])
                 kept[j] = x
             return x
 
         y = keep(0, x0)
         for i, block in enumerate(self.blocks, start=1):
             x = keep(i, block(y))
-            js = plan.inputs.get(i)
+            js = pattern.inputs.get(i)
             if js is None:
                 y = x
             elif buffers is None:
                 y = depth_weighted_average(self.dwa_alpha[i - 1, js], [kept[j] for j in js])
             else:
-                y = Combine.apply(self.dwa_alpha[i - 1, js], buffers, *plan.reads[i],
+                y = Combine.apply(self.dwa_alpha[i - 1, js], buffers, *pattern.reads[i],
                                   *[kept[j] for j in js])
         return y
 
@@ -181,7 +173,7 @@ class DenseFormer(nn.Module):
         """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
         n = sum(p.numel() for p in self.parameters())
         if self.dwa_alpha is not None:
-            n -= self.dwa_alpha.numel() - int(self.dwa_pattern.sum())
+            n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
         if non_embedding:
             n -= self.embedding.weight.numel()
         return n
@@ -193,7 +185,7 @@ class DenseFormer(nn.Module):
         if self.dwa_alpha is not None:
             matrix.copy_(self.dwa_alpha.detach().float().cpu())
         for i in range(1, d + 1):
-            if i not in self._dwa_rows:
+            if not self.dwa_pattern.has_dwa(i):
                 matrix[i - 1, i] = 1.0
         return matrix
 
@@ -204,8 +196,9 @@ class DenseFormer(nn.Module):
         matrix = torch.as_tensor(matrix, dtype=torch.float32)
         if matrix.shape != (d, d + 1):
             raise ValueError(f"DWA matrix must have shape {(d, d + 1)}, got {tuple(matrix.shape)}")
-        expected_fixed = self.dwa_matrix() * ~self.dwa_pattern.cpu()
-        outside = (matrix * ~self.dwa_pattern.cpu() - expected_fixed).abs() > 0
+        live = self.dwa_mask.cpu()
+        expected_fixed = self.dwa_matrix() * ~live
+        outside = (matrix * ~live - expected_fixed).abs() > 0
         if outside.any():
             i, j = outside.nonzero()[0].tolist()
             raise ValueError(
@@ -213,7 +206,19 @@ class DenseFormer(nn.Module):
                 f"column {j} (X_{j}), outside the {self.config.dwa_dilation}x"
                 f"{self.config.dwa_period} pattern")
         if self.dwa_alpha is not None:
-            self.dwa_alpha.copy_(matrix * self.dwa_pattern.cpu())
+            self.dwa_alpha.copy_(matrix * live)
+
+
+def dwa_mask_tensor(pattern: DWAPattern) -> torch.Tensor:
+    """The pattern's (d, d + 1) live alpha entries as a boolean tensor."""
+    return torch.tensor(pattern.mask(), dtype=torch.bool, device="cpu")
+
+
+def dwa_alpha_parameter(pattern: DWAPattern) -> nn.Parameter | None:
+    """The full alpha matrix at its initial value; None when no block has a DWA."""
+    if not pattern.inputs:
+        return None
+    return nn.Parameter(torch.tensor(pattern.initial_alpha(), device="cpu"))
 
 
 def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

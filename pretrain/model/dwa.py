@@ -1,96 +1,27 @@
-"""Depth weighted averages (DWA): the connectivity pattern and the contraction.
+"""Depth weighted averages (DWA): the contraction Y_i = sum_{j in S_i} alpha[i, j] X_j.
 
-Y_i = sum_{j in S_i} alpha[i, j] X_j with S_i = {0 <= j <= i : j = i (mod k)}, optionally cut
-to the window j > i - K (Last-K); block i has a DWA iff i = 0 (mod p). See config.py for the
-index conventions. The alphas of all DWAs live in one (d, d + 1) matrix: row i - 1 is the DWA
-after block i, and entries outside the pattern stay exactly zero (they never get gradient).
-
-Two implementations of the same contraction, tested against each other and a naive loop:
+Which blocks have a DWA, the S_i they read and the buffer layout below come from the model's
+`DWAPattern` (pretrain/model/dwa_pattern.py, index conventions there); this file only
+computes. Two implementations of the same contraction, tested against each other and a
+naive loop:
 
 - eager (`DWABuffers`, `StoreOutput`, `Combine`): each X_j that a later DWA reads is copied
-  once into a contiguous buffer of its residue class, so S_i is a slice and a DWA is one
-  matrix-vector product. Gradients w.r.t. the X_j are accumulated with one rank-1 update per
-  DWA into a matching gradient buffer and handed to block j's output when autograd reaches it.
-  Autograd never saves (or version-checks) the buffers, so writing later slots is safe; the
-  buffers belong to one forward pass, so micro-batches and activation recomputation (which
-  rewrites identical values) do not interfere.
+  once into a contiguous buffer of its residue class (`DWAPattern.slot`), so S_i is a slice
+  (`DWAPattern.reads`) and a DWA is one matrix-vector product. Gradients w.r.t. the X_j are
+  accumulated with one rank-1 update per DWA into a matching gradient buffer and handed to
+  block j's output when autograd reaches it. Autograd never saves (or version-checks) the
+  buffers, so writing later slots is safe; the buffers belong to one forward pass, so
+  micro-batches and activation recomputation (which rewrites identical values) do not
+  interfere.
 - functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
   the compiler fuses the stack into the reduction.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
-
-from pretrain.model.config import DenseFormerConfig
-
-
-def dwa_mask(cfg: DenseFormerConfig) -> torch.Tensor:
-    """Boolean (d, d + 1) mask: True where alpha[i, j] is a learned connection."""
-    d, k, p = cfg.n_layers, cfg.dwa_dilation, cfg.dwa_period
-    mask = torch.zeros(d, d + 1, dtype=torch.bool, device="cpu")
-    if not cfg.dwa:
-        return mask
-    for i in range(p, d + 1, p):
-        low = 0 if cfg.dwa_window is None else i - cfg.dwa_window + 1
-        for j in range(i % k, i + 1, k):
-            if j >= low:
-                mask[i - 1, j] = True
-    return mask
-
-
-def dwa_inputs(cfg: DenseFormerConfig) -> dict[int, list[int]]:
-    """For each block i that has a DWA, the sorted j of the X_j it reads."""
-    mask = dwa_mask(cfg)
-    rows = {}
-    for i in range(1, cfg.n_layers + 1):
-        js = mask[i - 1].nonzero().flatten().tolist()
-        if js:
-            rows[i] = js
-    return rows
-
-
-def initial_alpha(cfg: DenseFormerConfig) -> torch.Tensor:
-    """alpha at init: 1 on X_i for the DWA after block i, `dwa_init_offdiag` elsewhere in S_i."""
-    mask = dwa_mask(cfg)
-    alpha = mask.float() * cfg.dwa_init_offdiag
-    for i in range(1, cfg.n_layers + 1):
-        if mask[i - 1, i]:
-            alpha[i - 1, i] = 1.0
-    return alpha
-
-
-@dataclass(frozen=True)
-class DWAPlan:
-    """Where each stored X_j lives and which slice each DWA reads.
-
-    slot[j] = (residue class r = j mod k, position among the stored X of class r);
-    reads[i] = (r, start, stop): the DWA after block i reads positions [start, stop) of class
-    r, which are exactly S_i in increasing j (S_i is a contiguous run of its class).
-    """
-
-    slot: dict[int, tuple[int, int]]
-    class_sizes: dict[int, int]
-    reads: dict[int, tuple[int, int, int]]
-    inputs: dict[int, list[int]]
-
-    @classmethod
-    def from_config(cls, cfg: DenseFormerConfig) -> "DWAPlan":
-        inputs = dwa_inputs(cfg)
-        stored = sorted({j for js in inputs.values() for j in js})
-        slot, sizes = {}, {}
-        for j in stored:
-            r = j % cfg.dwa_dilation
-            slot[j] = (r, sizes.get(r, 0))
-            sizes[r] = sizes.get(r, 0) + 1
-        reads = {}
-        for i, js in inputs.items():
-            r, start = slot[js[0]]
-            assert [slot[j] for j in js] == [(r, start + n) for n in range(len(js))]
-            reads[i] = (r, start, start + len(js))
-        return cls(slot=slot, class_sizes=sizes, reads=reads, inputs=inputs)
 
 
 def _stream_precision(x: torch.Tensor):
@@ -102,7 +33,7 @@ def _stream_precision(x: torch.Tensor):
 class DWABuffers:
     """One forward pass's stored X_j (per class, contiguous) and, in backward, their grads."""
 
-    def __init__(self, class_sizes: dict[int, int], like: torch.Tensor):
+    def __init__(self, class_sizes: Mapping[int, int], like: torch.Tensor):
         self.values = {r: like.new_empty((n, *like.shape)) for r, n in class_sizes.items()}
         self.grads: dict[int, torch.Tensor] = {}
 

@@ -4,7 +4,7 @@ Every parameter is drawn as the FULL tensor from a generator seeded by (seed, gl
 then this rank's tensor-parallel shard is taken, so every layout (TP, PP, DP) starts from the
 single-process weights. GPT-2 init: N(0, std) for matmul weights and the embedding,
 N(0, std / sqrt(2 d)) for the residual output projections, ones for norms and gains, and the
-DWA alphas from `initial_alpha`.
+DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Iterable
 import torch
 
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.dwa import initial_alpha
 
 _RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc_out.weight")
 _NORMAL = ("attn.qkv.weight", "mlp.fc_in.weight", "embedding.weight") + _RESIDUAL_PROJECTIONS
@@ -45,7 +44,7 @@ def local_shard(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: 
 def full_init_value(name: str, shape: tuple[int, ...], cfg: DenseFormerConfig, seed: int):
     """The initial value of the full parameter called `name` (a global, layout-free name)."""
     if name == "dwa_alpha":
-        return initial_alpha(cfg)
+        return torch.tensor(cfg.dwa_pattern.initial_alpha(), device="cpu")
     if name.endswith(_NORMAL):
         std = cfg.init_std
         if name.endswith(_RESIDUAL_PROJECTIONS):
