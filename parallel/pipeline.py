@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.plan import build_plan, schedule_name, schedule_problem
+from parallel.plan import build_plan
+from parallel.schedule import schedule_name, schedule_problem
 from parallel.stage_model import BOUNDARY_DTYPE, StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.denseformer import cross_entropy

@@ -390,7 +390,7 @@ def test_pipeline_layout_matches_single_process(layout):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_layout_exhaustive(layout):
-    from parallel.plan import schedule_problem
+    from parallel.schedule import schedule_problem
 
     _, tp, pp, _, virtual, _ = LAYOUTS[layout]
     counts = [m for m in range(1, 9) if schedule_problem(pp, virtual, m) is None]
