@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import hashlib
 import math
-import shutil
 import sys
 import time
 from datetime import datetime
@@ -71,6 +70,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         from data_pipeline.index import read_index
         from data_pipeline.loader import TrainLoader
+        from pretrain import checkpoint
         from pretrain.engine import build_engine
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
@@ -118,94 +118,50 @@ class Trainer:
         self.skip_streak = 0  # consecutive skipped steps (train.on_nan=skip)
         self.protected_checkpoint: Path | None = None  # kept from pruning during a streak
         if self.resume_from is not None:
-            # The ranks hashed its files between them when choosing it (pretrain/run_dir.py).
-            self._load(self.resume_from)
+            # Rank 0 verified every hash when choosing it; the others check as they read.
+            self._load(checkpoint.load_checkpoint(self.resume_from,
+                                                  verify_hashes=not layout.is_main))
             self.saved_step = self.step
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def _load(self, path: Path) -> None:
-        """Resume from checkpoint `path`: each rank reads its own slices (collective)."""
-        from pretrain import checkpoint
+    def _load(self, state: dict) -> None:
         from pretrain.run_dir import fingerprint_mismatch
 
-        manifest = checkpoint.read_manifest(path)  # sizes; hashes were checked when chosen
-        checkpoint.require_current_format(path, manifest)
-        meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+        meta = state["meta"]
         if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
             differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
             if differ:
-                raise ConfigError("train.resume", f"{path} was written by a different run; "
-                                  "these differ: " + "; ".join(differ))
-        self.engine.load_sharded_state(path, manifest)
+                raise ConfigError("train.resume", f"{self.resume_from} was written by a "
+                                  "different run; these differ: " + "; ".join(differ))
+        self.engine.load_full_state(state["model"], state["optimizer"])
         self.loader.load_state_dict(meta["loader"])
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step, every rank its own tensors into one
-        temporary directory, rank 0 the meta and manifest (collective); every rank gets its
-        path, or SaveFailed with the first error, at once."""
-        from torch.distributed.checkpoint.api import CheckpointException
+        """Write a checkpoint of the current step (collective: TP shards are gathered); every
+        rank gets its path, or SaveFailed with rank 0's error, at once."""
+        from pretrain import checkpoint
 
-        from pretrain import checkpoint, sharded_checkpoint
-
-        layout = self.layout
-        tmp_dir = self._agree(lambda: str(checkpoint.new_tmp_dir(self.ckpt_dir, self.step)))
-        written, error = {}, None
-        try:  # the tensors: no rank waits for another's bytes (pretrain/sharded_checkpoint.py)
-            written = sharded_checkpoint.save(Path(tmp_dir), self.engine.sharded_state(),
-                                              layout.rank)
-        except (OSError, RuntimeError, CheckpointException) as err:
-            error = _save_error(err, self.ckpt_dir, self.step)  # DCP raises on every rank
-        reports = [(written, error)]
-        if layout.world > 1:
-            reports = [None] * layout.world if layout.is_main else None
-            dist.gather_object((written, error), reports, dst=0)
-
-        def commit() -> str:
-            errors = [e for _, e in reports if e is not None]
-            try:
-                if errors:
-                    raise SaveFailed(errors[0])
-                checkpoint.write_parts(Path(tmp_dir), {"meta": self._meta()})
-                return str(checkpoint.finalize_checkpoint(
-                    Path(tmp_dir), self.ckpt_dir, self.step, keep=self.cfg.checkpoint.keep,
-                    protect=self.protected_checkpoint,
-                    hashed={rel: e for files, _ in reports for rel, e in files.items()}))
-            except (OSError, RuntimeError) as err:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-                if isinstance(err, SaveFailed):
-                    raise
-                raise SaveFailed(_save_error(err, self.ckpt_dir, self.step)) from err
-
-        path = self._agree(commit)  # also the barrier: nobody runs ahead of the write
-        self.saved_step = self.step
-        return Path(path)
-
-    def _meta(self) -> dict:
-        """What a checkpoint keeps besides tensors (JSON): where the run stands, what wrote it."""
-        return {"step": self.step, "loader": self.loader.state_dict(),
-                "mlflow_run_id": self.mlflow_run_id, "layout": self.layout.name,
-                "parallel": dataclasses.asdict(self.cfg.parallel), "world": self.layout.world,
-                "config": self.cfg.run.name, "fingerprint": self.fingerprint}
-
-    def _agree(self, fn):
-        """`fn()` on rank 0, its result (or SaveFailed, or an OS error as SaveFailed) on
-        every rank."""
-        outcome = [None, None]  # [result, error message]
+        state = self.engine.full_state()  # complete on rank 0
+        outcome = [None, None]  # [path, error message]
         if self.layout.is_main:
+            meta = {"step": self.step, "loader": self.loader.state_dict(),
+                    "mlflow_run_id": self.mlflow_run_id, "layout": self.layout.name,
+                    "config": self.cfg.run.name, "fingerprint": self.fingerprint}
             try:
-                outcome[0] = fn()
-            except SaveFailed as err:
-                outcome[1] = str(err)
-            except OSError as err:
+                outcome[0] = str(checkpoint.save_checkpoint(
+                    self.ckpt_dir, self.step, {**state, "meta": meta},
+                    keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint))
+            except (OSError, RuntimeError) as err:  # torch.save reports I/O as RuntimeError
                 outcome[1] = _save_error(err, self.ckpt_dir, self.step)
-        if self.layout.world > 1:
+        if self.layout.world > 1:  # also the barrier: nobody runs ahead of the write
             dist.broadcast_object_list(outcome, src=0)
         if outcome[1] is not None:
             raise SaveFailed(outcome[1])
-        return outcome[0]
+        self.saved_step = self.step
+        return Path(outcome[0])
 
     # -- one optimizer step --------------------------------------------------------------
 
@@ -416,13 +372,8 @@ def _checkpoint_of_this_step(trainer: Trainer) -> Path:
 
 def _save_error(err: BaseException, ckpt_dir: Path, step: int) -> str:
     """What a failed checkpoint write tells the user: the path, the OS error, what is kept."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from pretrain import checkpoint
 
-    if isinstance(err, CheckpointException):  # the first rank's own error
-        failures = sorted(err.failures.items())
-        err = next((e for _, (e, *_) in failures if isinstance(e, OSError)), failures[0][1][0])
     if isinstance(err, OSError):
         name = errno.errorcode.get(err.errno, "")
         where = f" ({err.filename})" if err.filename else ""
