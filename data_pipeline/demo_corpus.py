@@ -14,13 +14,11 @@ import contextlib
 import json
 import multiprocessing
 import os
-import sys
 import sysconfig
 from pathlib import Path
 
-from tqdm import tqdm
-
 from data_pipeline import DataError
+from data_pipeline.progress import progress_bar
 
 # Shorter comment blocks are mostly noise: markers such as "XXX", "TODO" or rows of "#".
 MIN_COMMENT_CHARS = 16
@@ -112,9 +110,8 @@ def build_demo_corpus(
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     workers = workers or os.cpu_count() or 1
-    bar = tqdm(
-        total=len(sources), desc="demo-corpus", unit="file", file=sys.stderr, disable=not progress
-    )
+    bar = progress_bar(progress, total=len(sources), desc="demo-corpus", unit="file",
+                       log_interval_s=30.0)
     try:
         with contextlib.ExitStack() as stack:
             sink = stack.enter_context(open(partial, "w", encoding="utf-8"))

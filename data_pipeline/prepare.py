@@ -1,6 +1,6 @@
 """`prepare`: raw text -> tokenizer -> packed sequences -> webdataset shards + index.json.
 
-Phases (each with a progress bar on stderr):
+Phases (each with a progress bar on a terminal's stderr, a plain line every 30 s in a log):
   scan       read every input once: count documents and bytes, reject empty files;
   tokenizer  train sentencepiece on (a deterministic stride sample of) the documents,
              or copy the given model;
@@ -20,13 +20,11 @@ import math
 import multiprocessing
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from data_pipeline import DataError
 from data_pipeline.index import (
@@ -39,6 +37,7 @@ from data_pipeline.index import (
     token_dtype_for,
     write_index,
 )
+from data_pipeline.progress import Progress, progress_bar, write_line
 from data_pipeline.shards import SequencePacker, ShardWriter, record_bytes
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.sources import expand_inputs, iter_documents, read_documents
@@ -52,12 +51,15 @@ DEFAULT_TOKENIZER_TRAIN_MB = 64.0
 CHUNK_BYTES = 1 << 18  # text per tokenisation task (small enough to balance workers)
 
 
-def _bar(progress: bool, **kwargs) -> tqdm:
-    return tqdm(file=sys.stderr, disable=not progress, dynamic_ncols=True, **kwargs)
+PROGRESS_LINE_S = 30.0  # a phase's counts this often in a log file (no bar there)
+
+
+def _bar(progress: bool, **kwargs) -> Progress:
+    return progress_bar(progress, log_interval_s=PROGRESS_LINE_S, **kwargs)
 
 
 def _note(message: str) -> None:
-    tqdm.write(f"prepare: {message}", file=sys.stderr)
+    write_line(f"prepare: {message}")
 
 
 def check_output_dir(out_dir: Path, force: bool) -> None:

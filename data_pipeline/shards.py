@@ -12,16 +12,24 @@ and its size gives n back. tarfile would also pad the archive to a multiple of i
 10240-byte record; the writer cuts that padding off, because with it the size only pins n
 down to within 10240 / R samples. Shards of version-1 indexes (older `prepare`) still
 carry the padding (legacy=True below).
+
+Members are written by webdataset's TarWriter into a file this module opens, so that
+after the writer closes, the record padding can be cut off (TarWriter has no option for
+it). TarWriter ignores its `format` argument and lets tarfile use its default PAX format,
+which writes plain USTAR headers for members like ours (ASCII names under 100 bytes,
+integer mtime, sizes under 8 GiB); the size check at close and the golden-bytes test in
+tests/test_data_prepare.py catch any change there.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+from webdataset.writer import TarWriter
 
 from data_pipeline import DataError
 from data_pipeline.index import sample_key, sha256_file, shard_name
@@ -78,25 +86,31 @@ class ShardWriter:
         self.samples_per_shard = samples_per_shard
         self.shards: list[dict] = []  # index entries: name, samples, bytes, sha256
         self.num_samples = 0
-        self._tar: tarfile.TarFile | None = None
+        self._file: BinaryIO | None = None  # ours, so the padding can be cut after close
+        self._tar: TarWriter | None = None
         self._in_shard = 0
         self._record = 0  # bytes per sample in the tar, fixed by the first sample
 
     def _open_next(self) -> None:
         name = shard_name(self.split, len(self.shards))
-        self._tar = tarfile.open(self.out_dir / name, "w", format=tarfile.USTAR_FORMAT)
+        self._file = open(self.out_dir / name, "wb")
+        # Fixed owner, mode and mtime: the same tokens give the same bytes. encoder=False:
+        # the payload is already .npy bytes (record_bytes measures the same encoding).
+        self._tar = TarWriter(self._file, user="", group="", mode=0o644, mtime=0, encoder=False)
         self.shards.append({"name": name, "samples": 0, "bytes": 0})
         self._in_shard = 0
 
     def _close_current(self) -> None:
         if self._tar is None:
             return
-        end = self._tar.offset + END_OF_ARCHIVE  # offset: just past the last member
-        self._tar.close()
-        self._tar = None
+        self._tar.close()  # leaves self._file open: TarWriter closes only files it opened
+        # offset: just past the two end-of-archive blocks, before tarfile's record padding
+        end = self._tar.tarstream.offset
+        self._file.truncate(end)  # drop the record padding (see the module docstring)
+        self._file.close()
+        self._tar = self._file = None
         entry = self.shards[-1]
         path = self.out_dir / entry["name"]
-        os.truncate(path, end)  # drop the record padding (see the module docstring)
         entry["bytes"] = path.stat().st_size
         entry["sha256"] = sha256_file(path)
         expected = shard_bytes(entry["samples"], self._record)
@@ -107,16 +121,14 @@ class ShardWriter:
             )
 
     def write(self, sample: np.ndarray) -> None:
+        """Append one sample (a 1-D token array) as the next `{k:010d}.npy` member."""
         if self._tar is None or self._in_shard == self.samples_per_shard:
             self._close_current()
             self._open_next()
         payload = npy_bytes(sample)
         if not self._record:  # any later sample of another size fails the check at close
             self._record = tarfile.BLOCKSIZE + _padded(len(payload), tarfile.BLOCKSIZE)
-        info = tarfile.TarInfo(f"{sample_key(self.num_samples)}.npy")
-        info.size = len(payload)
-        info.mode = 0o644
-        self._tar.addfile(info, io.BytesIO(payload))
+        self._tar.write({"__key__": sample_key(self.num_samples), "npy": payload})
         self._in_shard += 1
         self.shards[-1]["samples"] += 1
         self.num_samples += 1

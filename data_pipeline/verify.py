@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from data_pipeline import DataError
 from data_pipeline.index import SPLITS, DatasetIndex, ShardInfo, read_index, sha256_file
+from data_pipeline.progress import progress_bar
 from data_pipeline.shards import read_shard_samples
 from data_pipeline.tokenizer import load_tokenizer
 
@@ -83,9 +82,8 @@ def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool =
     decoded: list[str] = []
     total = sum(index.num_samples(split) for split in SPLITS)
     eos_count = 0
-    with tqdm(
-        total=total, desc="inspect", unit="sample", file=sys.stderr, disable=not progress
-    ) as bar:
+    with progress_bar(progress, total=total, desc="inspect", unit="sample",
+                      log_interval_s=30.0) as bar:
         for split in SPLITS:
             position = 0
             for shard in index.shards(split):

@@ -27,7 +27,8 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -59,7 +60,7 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
             dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
         else:
             dist.init_process_group(
-                backend_for(device), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

@@ -14,13 +14,15 @@ format (full tensors keyed by parameter name, `pretrain.model.state`): `full_mod
 without ZeRO and back. The DeepSpeed config is built here (`deepspeed_config`), never written
 by hand.
 
-Stages: 0 (DeepSpeed's plain data parallelism), 1 (optimizer state sharded over the DP
-group), 2 (+ gradients), 3 (+ parameters). With TP or PP only stage 1 (config validation
-refuses 2 and 3, as GPT-NeoX does). The model-parallel groups reach DeepSpeed through `mpu`
+Stages: 1 (optimizer state sharded over the DP group), 2 (+ gradients), 3 (+ parameters).
+With TP or PP only stage 1 (config validation refuses 2 and 3, as GPT-NeoX does).
+parallel.zero_stage=0 means no DeepSpeed at all: the trainer then averages gradients over
+DP and steps our AdamW itself (`AdamWUpdate`, pretrain/engine.py) and never builds a
+ZeroEngine. The model-parallel groups reach DeepSpeed through `mpu`
 (`MegatronMPU`: megatron-core's parallel_state lacks the `get_model_parallel_*` names).
 
 Gradient accumulation is DeepSpeed's "unmanaged" mode: `backward` accumulates locally and
-`step` is the accumulation boundary. Stages 0 and 1 keep plain `.grad` tensors until `step`,
+`step` is the accumulation boundary. Stage 1 keeps plain `.grad` tensors until `step`,
 so the sequence-parallel reduction (`parallel.tensor`) and an external pipeline schedule
 (docs/pipeline.md: backward outside the engine, gradients already the mean over
 micro-batches, then `step`) need nothing else.
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -118,9 +119,6 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
     `cfg` is our `pretrain.config.Config`; `dp` the data-parallel size."""
     p, stage = cfg.parallel, cfg.parallel.zero_stage
     per_rank = cfg.train.batch_size // dp
-    clip = cfg.optim.grad_clip
-    if stage == 0 and dtype == torch.float32:
-        clip = 0.0  # DeepSpeed's stage-0 fp32 path keeps no norm: ZeroEngine clips itself
     zero = {"stage": stage}
     if stage == 3:
         # Every parameter is partitioned, the small norm weights and alphas too (DeepSpeed's
@@ -132,7 +130,7 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
         "train_micro_batch_size_per_gpu": per_rank // p.microbatches,
         "gradient_accumulation_steps": p.microbatches,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": clip,
+        "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # our torch AdamW with its decay groups
@@ -184,6 +182,9 @@ class ZeroEngine:
                  dtype: torch.dtype = torch.float32):
         import deepspeed
 
+        if cfg.parallel.zero_stage not in (1, 2, 3):
+            raise ValueError(f"ZeroEngine needs parallel.zero_stage 1, 2 or 3, got "
+                             f"{cfg.parallel.zero_stage} (0 trains without DeepSpeed)")
         _quiet_deepspeed()
         if "LOCAL_RANK" not in os.environ:
             if dist.get_world_size() > 1:
@@ -200,7 +201,6 @@ class ZeroEngine:
         self.dtype = dtype
         self.model = model
         self.module = LossModule(model)
-        self.grad_clip = cfg.optim.grad_clip
         self.config = deepspeed_config(cfg, self.mpu.get_data_parallel_world_size(), dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.module, optimizer=optimizer, config=self.config, mpu=self.mpu,
@@ -211,14 +211,6 @@ class ZeroEngine:
 
             for param in _external_parameters(model):
                 register_external_parameter(self.module, param)
-        self._stage0_norm = None
-        if self._clips_itself:
-            optimizer.register_step_pre_hook(self._clip_before_update)
-
-    @property
-    def _clips_itself(self) -> bool:
-        """Stage 0 in fp32 runs our torch AdamW directly and DeepSpeed records no norm."""
-        return self.stage == 0 and self.dtype == torch.float32
 
     # -- one training step ---------------------------------------------------------------
 
@@ -239,23 +231,10 @@ class ZeroEngine:
 
         A non-finite norm means DeepSpeed skipped the update (weights and AdamW state
         unchanged); the gradients are cleared either way."""
-        self._stage0_norm = None
         self.engine.step()
-        norm = self._stage0_norm if self._clips_itself else self.engine.get_global_grad_norm()
+        norm = self.engine.get_global_grad_norm()
         self.engine.zero_grad()
         return float(norm) if norm is not None else float("nan")
-
-    def _clip_before_update(self, optimizer, args, kwargs) -> None:
-        """Step pre-hook (stage 0, fp32): after DeepSpeed's all-reduce, before AdamW."""
-        params = [p for group in optimizer.param_groups for p in group["params"]
-                  if p.grad is not None]
-        norm = gradient_norm(params, self.mpu)
-        self._stage0_norm = norm.item()
-        if not math.isfinite(self._stage0_norm):
-            for p in params:  # AdamW skips parameters without a gradient: no update
-                p.grad = None
-        elif self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
 
     # -- layout-independent state --------------------------------------------------------
 
@@ -270,8 +249,6 @@ class ZeroEngine:
         state = {}
         for name, param in self.model.named_parameters():
             value = safe_get_full_fp32_param(param)
-            if value is None:  # stage 0 in fp32: the parameter is the master copy
-                value = param.detach()
             state[name] = _gather_full(param, value.float(), tp_group)
         return state
 
@@ -280,10 +257,8 @@ class ZeroEngine:
         `pretrain.model.state.full_optimizer_state`; empty before the first update."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        from pretrain.model.state import _gather_full, full_optimizer_state
+        from pretrain.model.state import _gather_full
 
-        if self._clips_itself:
-            return full_optimizer_state(self.model, self.engine.optimizer)
         step = self._update_count()
         if step is None:
             return {}
@@ -302,17 +277,11 @@ class ZeroEngine:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         from pretrain.model.init import local_shard
-        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
-
         model = self.model
         params = dict(model.named_parameters())
         missing = sorted(params.keys() - model_state.keys())
         if missing:  # a pipeline stage holds a subset of the names: the rest is not ours
             raise KeyError(f"model state lacks {missing[:5]}")
-        if self._clips_itself:
-            load_full_model_state(model, model_state)
-            load_full_optimizer_state(model, self.engine.optimizer, optimizer_state)
-            return
         device = next(iter(params.values())).device
         for name, param in params.items():
             shard = local_shard(model_state[name], param, model.tp_rank, model.tp_size)
@@ -391,19 +360,6 @@ class ZeroEngine:
         if hasattr(optimizer, "_hp_optimizer_states_linked"):
             optimizer._hp_optimizer_states_linked = False
             optimizer._lazy_init_hp_params_optimizer_state()
-
-
-def gradient_norm(params: list[torch.Tensor], mpu: MegatronMPU) -> torch.Tensor:
-    """Global L2 norm of the gradients of `params` over the model-parallel group: tensor-
-    parallel shards summed, replicated parameters counted once (on TP rank 0)."""
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
-    first_tp_rank = mpu.get_tensor_model_parallel_rank() == 0
-    for p in params:
-        if getattr(p, "tensor_model_parallel", False) or first_tp_rank:
-            total += p.grad.detach().double().square().sum()
-    if mpu.get_model_parallel_world_size() > 1:
-        dist.all_reduce(total, group=mpu.get_model_parallel_group())
-    return total.sqrt().float()
 
 
 def build_ops() -> None:

@@ -1,12 +1,19 @@
 """Atomic, self-verifying checkpoints.
 
-Layout of one checkpoint (`ckpt_root/step-00001000/`):
+Layout of one checkpoint (`ckpt_root/step-00001000/`), format 2 (the trainer's):
 
     manifest.json    written last: {"format", "step", "created", "parts": {name: file},
                      "files": {relative path: {"bytes", "sha256"}}}
-    meta.json        the part named "meta": JSON (step, scheduler, loader, MLflow run id, ...)
-    <part>.pt        every other part (model, optimizer, rng, ...): torch.save, read back with
-                     torch.load(weights_only=True)
+    meta.json        the part named "meta": JSON (step, loader, MLflow run id, fingerprint,
+                     the layout it was written at)
+    tensors/         the part named "tensors": model and AdamW tensors written by every rank
+                     through torch.distributed.checkpoint (pretrain/sharded_checkpoint.py):
+                     `.metadata` (DCP's index) and `__<rank>_0.distcp` (what that rank owned)
+
+Format 1 (before sharded checkpoints, and what `save_checkpoint` still writes for plain
+parts): `<part>.pt` files (model, optimizer, ...) written with torch.save, read back with
+torch.load(weights_only=True); the trainer refuses them, `python -m pretrain checkpoint
+convert` turns them into format 2.
 
 A checkpoint is written into `ckpt_root/.tmp-step-XXXXXXXX-<random>/`, every file fsynced,
 the manifest written last, then the directory is renamed to its final name: a reader sees
@@ -14,7 +21,7 @@ either no checkpoint or a complete one. A directory without a readable manifest,
 files disagree with it, is not a checkpoint. For sharded state, each rank may write its own
 parts into one shared temporary directory (`new_tmp_dir` + `write_parts`) and one rank
 commits it after a barrier (`finalize_checkpoint`); files in subdirectories (e.g. written
-by DeepSpeed) are covered by the manifest too.
+by DCP) are covered by the manifest too; each rank hashes the files it wrote.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
@@ -33,7 +39,8 @@ from typing import Any
 import torch
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # with a "tensors" part (DCP); plain .pt parts make format 1
+CONVERT_HINT = "python -m pretrain checkpoint convert"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -55,7 +62,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 23):
@@ -97,18 +104,26 @@ def write_parts(directory: Path, state: dict[str, Any]) -> None:
             os.fsync(f.fileno())
 
 
-def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
-                        protect: Path | None = None) -> Path:
-    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune (never `protect`);
-    the final path."""
-    tmp_dir, ckpt_root = Path(tmp_dir), Path(ckpt_root)
+def write_manifest(tmp_dir: Path, step: int,
+                   hashed: dict[str, dict] | None = None) -> dict[str, Any]:
+    """Write (and fsync) the manifest of every file in `tmp_dir`, last; the manifest.
+    `hashed`: {relative path: {"bytes", "sha256"}} the ranks computed for the files they
+    wrote (the rest are hashed here)."""
+    tmp_dir = Path(tmp_dir)
     files, parts = {}, {}
+    hashed = hashed or {}
     for path in sorted(p for p in tmp_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(tmp_dir).as_posix()
-        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        size = path.stat().st_size
+        if rel in hashed and hashed[rel]["bytes"] != size:
+            raise OSError(f"{path}: {size} bytes on disk, its writer reported "
+                          f"{hashed[rel]['bytes']}")
+        files[rel] = hashed.get(rel) or {"bytes": size, "sha256": sha256_file(path)}
         if path.parent == tmp_dir and (path.suffix == ".pt" or rel == "meta.json"):
             parts["meta" if rel == "meta.json" else path.stem] = rel
-    manifest = {"format": FORMAT_VERSION, "step": step,
+        elif path.name == ".metadata" and path.parent.parent == tmp_dir:  # a DCP directory
+            parts[path.parent.name] = path.parent.name
+    manifest = {"format": FORMAT_VERSION if "tensors" in parts else 1, "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "parts": parts, "files": files}
     with open(tmp_dir / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -116,7 +131,17 @@ def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
         os.fsync(f.fileno())
     for directory in sorted({p.parent for p in tmp_dir.rglob("*")} | {tmp_dir}):
         _fsync_dir(directory)
+    return manifest
 
+
+def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
+                        protect: Path | None = None,
+                        hashed: dict[str, dict] | None = None) -> Path:
+    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune (never `protect`);
+    the final path. `hashed`: {relative path: {"bytes", "sha256"}} other ranks computed for
+    the files they wrote (the rest are hashed here)."""
+    tmp_dir, ckpt_root = Path(tmp_dir), Path(ckpt_root)
+    write_manifest(tmp_dir, step, hashed)
     final = checkpoint_dir(ckpt_root, step)
     old = None
     if final.exists():  # the same step saved again (e.g. after a resume): replace it
@@ -167,7 +192,7 @@ def read_manifest(path: Path, verify_hashes: bool = False) -> dict[str, Any]:
             raise CheckpointError(f"{file}: listed in the manifest but missing") from None
         if size != info["bytes"]:
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']}")
-        if verify_hashes and _sha256(file) != info["sha256"]:
+        if verify_hashes and sha256_file(file) != info["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupt)")
     return manifest
 
@@ -220,16 +245,19 @@ def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
                     parts: list[str] | None = None, verify_hashes: bool = True) -> dict[str, Any]:
-    """The state saved at `path` (all parts, or those named); CheckpointError if incomplete."""
+    """The plain parts saved at `path` ("meta" and format 1's .pt files; all, or those named);
+    CheckpointError if incomplete. A format-2 checkpoint's tensors are read by
+    `pretrain.sharded_checkpoint` (`read_checkpoint` gives them in this function's form)."""
     path = Path(path)
     manifest = read_manifest(path, verify_hashes)
-    names = list(manifest["parts"]) if parts is None else parts
+    plain = {name: rel for name, rel in manifest["parts"].items() if name != "tensors"}
+    names = list(plain) if parts is None else parts
     state = {}
     for name in names:
-        if name not in manifest["parts"]:
+        if name not in plain:
             raise CheckpointError(f"{path / MANIFEST}: no part {name!r} "
                                   f"(parts: {', '.join(manifest['parts'])})")
-        file = path / manifest["parts"][name]
+        file = path / plain[name]
         try:
             if name == "meta":
                 state[name] = json.loads(file.read_text())
@@ -240,20 +268,37 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
     return state
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Python, torch (and CUDA) RNG states in a form that loads with weights_only=True."""
-    version, internal, gauss = random.getstate()
-    state = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def require_current_format(path: Path, manifest: dict[str, Any]) -> None:
+    """CheckpointError unless `manifest` (of `path`) is a format-2 checkpoint."""
+    if "tensors" not in manifest["parts"]:
+        raise CheckpointError(
+            f"{path} is a checkpoint of format {manifest.get('format', 1)} (parts "
+            f"{', '.join(sorted(manifest['parts']))}, written before sharded checkpoints); "
+            f"convert it first: `{CONVERT_HINT} {path} --out NEW`, then resume from NEW")
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore the states captured by capture_rng_state."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal.tolist()), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def hash_share(files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """The files (relative paths) rank `rank` of `world` hashes: bytes balanced greedily,
+    largest first, the same assignment on every rank."""
+    loads = [0] * world
+    mine = []
+    for rel in sorted(files, key=lambda r: (-files[r]["bytes"], r)):
+        owner = loads.index(min(loads))
+        loads[owner] += files[rel]["bytes"]
+        if owner == rank:
+            mine.append(rel)
+    return mine
+
+
+def verify_share(path: Path, rank: int, world: int) -> str | None:
+    """Check sizes of all files of checkpoint `path` and the sha256 of this rank's share;
+    the first problem as a message, or None if intact."""
+    try:
+        manifest = read_manifest(path, verify_hashes=False)
+        for rel in hash_share(manifest["files"], rank, world):
+            if sha256_file(Path(path) / rel) != manifest["files"][rel]["sha256"]:
+                raise CheckpointError(f"{Path(path) / rel}: sha256 differs from the manifest "
+                                      "(corrupt)")
+    except (CheckpointError, OSError) as err:
+        return str(err)
+    return None

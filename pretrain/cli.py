@@ -1,4 +1,4 @@
-"""`python -m pretrain {train,config,eval}`: the command-line entry points."""
+"""`python -m pretrain {train,config,eval,checkpoint}`: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -26,6 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--run", help="run directory (its latest checkpoint is evaluated)")
     where.add_argument("--checkpoint", help="a checkpoint directory")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ck = sub.add_parser("checkpoint", help="inspect, export or convert a checkpoint")
+    tools = ck.add_subparsers(dest="tool", required=True)
+    inspect = tools.add_parser("inspect", help="step, layout, tensors, sizes, intactness")
+    inspect.add_argument("path", help="a checkpoint directory (step-XXXXXXXX)")
+    inspect.add_argument("--verify", action="store_true", help="also check every sha256")
+    export = tools.add_parser("export", help="model.safetensors (full tensors, weights "
+                              "only), config.yaml and the tokenizer, for sharing and eval")
+    export.add_argument("path", help="a checkpoint directory (step-XXXXXXXX)")
+    export.add_argument("--out", required=True, help="directory to write (created)")
+    convert = tools.add_parser("convert", help="rewrite a checkpoint of format 1 (model.pt, "
+                               "optimizer.pt) as a sharded (format 2) one")
+    convert.add_argument("path", help="the format-1 checkpoint directory")
+    convert.add_argument("--out", required=True, help="the new checkpoint directory")
     return parser
 
 
@@ -74,7 +87,7 @@ def cmd_config(args) -> int:
 
 def cmd_eval(args) -> int:
     from parallel import groups
-    from pretrain import checkpoint
+    from pretrain import checkpoint, sharded_checkpoint
     from pretrain.config import ConfigError, load_config
     from pretrain.evaluate import evaluate
     from pretrain.model import DenseFormer
@@ -92,7 +105,7 @@ def cmd_eval(args) -> int:
     run_dir = path.parent.parent
     # run.dir: configs saved before it was recorded may say null with resume=auto
     cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}", *args.overrides])
-    state = checkpoint.load_checkpoint(path)
+    state = sharded_checkpoint.read_checkpoint(path, optimizer=False)
     with distributed_session():
         groups.ensure_initialized()
         model = DenseFormer(cfg.model.build_config(cfg.model.vocab_size))
@@ -106,6 +119,13 @@ def cmd_eval(args) -> int:
     print(f"checkpoint {path} (step {state['meta']['step']}): val_loss "
           f"{result['val_loss']:.4f} val_ppl {result['val_ppl']:.2f}")
     return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from pretrain.checkpoint_tools import run_tool
+
+    return run_tool(args.tool, Path(args.path), getattr(args, "verify", False),
+                    Path(args.out) if getattr(args, "out", None) else None)
 
 
 # Said on the last line of a failed run: torchrun reports every non-zero status as 1, so
@@ -124,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.config import ConfigError
 
     args = build_parser().parse_args(argv)
-    command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval}[args.command]
+    command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
+               "checkpoint": cmd_checkpoint}[args.command]
     try:
         status = command(args)
     except (ConfigError, DataError, CheckpointError) as err:

@@ -9,16 +9,17 @@ An `Engine` is two independent choices, made once by `build_engine`:
   data-parallel mean taken here (`AdamWUpdate`) or DeepSpeed's ZeRO engine, which reduces,
   clips and steps itself (`ZeroUpdate`, parallel/zero.py).
 
-The trainer calls `forward_backward`, `update`, `eval_model`, `full_state` and
-`load_full_state` and never asks which combination it holds. State goes in and out in the
-layout-independent form of `pretrain.model.state` (full tensors by parameter name), so a
-checkpoint written by any engine loads into any other; this is the one place checkpoints
-meet the strategies.
+The trainer calls `forward_backward`, `update`, `eval_model`, `sharded_state` and
+`load_sharded_state` and never asks which combination it holds. State goes in and out under
+the global keys of `pretrain.sharded_checkpoint` (parameter names, full shapes; a rank's
+tensor-parallel shards as DTensors), so a checkpoint written by any engine loads into any
+other; this is the one place checkpoints meet the strategies.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,16 +60,16 @@ class AdamWUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def local_state(self) -> tuple[dict, dict]:
-        from pretrain.model.state import full_model_state, full_optimizer_state
+    def sharded_state(self) -> dict:
+        """What this rank holds, no more: its TP shards and its stages' parameters."""
+        from pretrain import sharded_checkpoint
 
-        return full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
+        return sharded_checkpoint.local_state(self.model, self.optimizer)
 
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        from pretrain.model.state import load_full_model_state, load_full_optimizer_state
+    def load_sharded(self, path: Path, manifest: dict) -> None:
+        from pretrain import sharded_checkpoint
 
-        load_full_model_state(self.model, model_state)
-        load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+        sharded_checkpoint.load_local(path, manifest, self.model, self.optimizer)
 
 
 class ZeroUpdate:
@@ -91,10 +92,22 @@ class ZeroUpdate:
     def update(self) -> float:
         return self.zero.step()  # a non-finite norm: DeepSpeed skipped the update
 
-    def local_state(self) -> tuple[dict, dict]:
-        return self.zero.full_model_state(), self.zero.full_optimizer_state()
+    # ZeRO keeps its full-tensor path: DeepSpeed gathers each parameter and AdamW moment
+    # over DP (and we over TP); every rank offers the full tensors of its own (stage's)
+    # parameters and DCP's planner picks one writer per tensor.
+    def sharded_state(self) -> dict:
+        """Full tensors of this rank's parameters (collective: gathered over DP and TP)."""
+        from pretrain import sharded_checkpoint
 
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        return sharded_checkpoint.full_state(self.zero.full_model_state(),
+                                             self.zero.full_optimizer_state())
+
+    def load_sharded(self, path: Path, manifest: dict) -> None:
+        from pretrain import sharded_checkpoint
+
+        names = [name for name, _ in self.zero.model.named_parameters()]
+        model_state, optimizer_state = sharded_checkpoint.read_full(
+            path, manifest, names, no_dist=not torch.distributed.is_initialized())
         self.zero.load_full_state(model_state, optimizer_state)
 
 
@@ -115,12 +128,6 @@ class LocalForward:
     def eval_model(self, update):
         return update.eval_module
 
-    def gather(self, state: dict) -> dict:
-        return state
-
-    def local(self, model_state: dict) -> dict:
-        return model_state
-
     def describe(self) -> list[str]:
         return []
 
@@ -136,12 +143,6 @@ class PipelineForward:
 
     def eval_model(self, update):
         return self.runner  # forward only, the whole batch through the stages in turn
-
-    def gather(self, state: dict) -> dict:
-        return self.runner.gather_to_main(state)
-
-    def local(self, model_state: dict) -> dict:
-        return self.runner.local_model_state(model_state)
 
     def describe(self) -> list[str]:
         return self.runner.describe()
@@ -176,16 +177,15 @@ class Engine:
         """What `pretrain.evaluate` runs a forward-only loss through."""
         return self.forward.eval_model(self.update_rule)
 
-    def full_state(self) -> dict[str, Any]:
-        """{"model", "optimizer"}: full tensors by name, complete on global rank 0
-        (collective: tensor-parallel shards gathered, pipeline stages merged)."""
-        model_state, optimizer_state = self.update_rule.local_state()
-        return {"model": self.forward.gather(model_state),
-                "optimizer": self.forward.gather(optimizer_state)}
+    def sharded_state(self) -> dict[str, Any]:
+        """This rank's tensors for `pretrain.sharded_checkpoint.save`: {global key: tensor,
+        or DTensor for a tensor-parallel shard}; with ZeRO, full tensors (collective)."""
+        return self.update_rule.sharded_state()
 
-    def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
-        """Load this rank's part of a full state written by any engine at any layout."""
-        self.update_rule.load(self.forward.local(model_state), optimizer_state)
+    def load_sharded_state(self, path: Path, manifest: dict) -> None:
+        """Read this rank's part of the checkpoint at `path`, written by any engine at any
+        layout (collective: every rank calls it)."""
+        self.update_rule.load_sharded(path, manifest)
 
     def describe(self) -> list[str]:
         return self.forward.describe()

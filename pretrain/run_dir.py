@@ -96,34 +96,45 @@ def check_writable(directory: Path, key: str) -> None:
         raise ConfigError(key, f"{directory} is not writable: {err.strerror} ({code})") from None
 
 
-def _resume_choice(ckpt_dir: Path, resume: str | None) -> Path | None:
-    """The checkpoint a run with `train.resume = resume` starts from (rank 0 only)."""
+def _candidates(ckpt_dir: Path, resume: str | None) -> list[str]:
+    """The checkpoints a run with `train.resume = resume` may start from, best first
+    (rank 0 only; their files are checked next, by every rank)."""
+    found = checkpoint.list_checkpoints(ckpt_dir)
     if resume is None:
-        found = checkpoint.list_checkpoints(ckpt_dir)
         if found:
             raise ConfigError("train.resume", f"run.dir {ckpt_dir.parent} already holds "
                               f"checkpoints ({found[-1][1].name}, ...): set train.resume=auto "
                               "to continue that run, or choose another run.dir")
-        return None
+        return []
     if resume != "auto":
-        path = Path(resume)
-        if not path.is_dir():
-            raise ConfigError("train.resume", f"checkpoint {path} does not exist")
-        checkpoint.read_manifest(path, verify_hashes=True)  # CheckpointError names the file
-        return path
-    found = checkpoint.list_checkpoints(ckpt_dir)
+        if not Path(resume).is_dir():
+            raise ConfigError("train.resume", f"checkpoint {resume} does not exist")
+        return [resume]
+    return [str(path) for _, path in reversed(found)]
+
+
+def _first_intact(candidates: list[str], resume: str | None, ckpt_dir: Path, rank: int,
+                  world: int) -> Path | None:
+    """The first candidate whose files all have their sizes and sha256: every rank hashes
+    its share of the files (`checkpoint.verify_share`) and all agree on the verdict."""
     rejected = []
-    for _, path in reversed(found):
-        try:
-            checkpoint.read_manifest(path, verify_hashes=True)
-        except checkpoint.CheckpointError as err:
-            rejected.append(str(err))
-            continue
-        for reason in rejected:
-            print(f"warning: not resuming from a newer checkpoint: {reason}; using {path}",
-                  file=sys.stderr, flush=True)
-        return path
-    if found:
+    for path in candidates:
+        mine = checkpoint.verify_share(Path(path), rank, world)
+        problems = [mine]
+        if world > 1:
+            problems = [None] * world
+            dist.all_gather_object(problems, mine)
+        problem = next((p for p in problems if p is not None), None)
+        if problem is None:
+            if rank == 0:
+                for reason in rejected:
+                    print(f"warning: not resuming from a newer checkpoint: {reason}; using "
+                          f"{path}", file=sys.stderr, flush=True)
+            return Path(path)
+        if resume != "auto":
+            raise checkpoint.CheckpointError(problem)
+        rejected.append(problem)
+    if candidates:
         raise checkpoint.CheckpointError(
             f"train.resume=auto: no intact checkpoint in {ckpt_dir}, refusing to restart from "
             "step 0 over it: " + "; ".join(rejected) + ". Move the directory away to start "
@@ -152,23 +163,30 @@ def agreed_on_rank0(fn: Callable[[], Any], is_main: bool, world: int) -> Any:
 
 def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: bool,
                     world: int) -> tuple[RunDirLock | None, Path | None]:
-    """Rank 0: create and lock run_dir, check it and ckpt_dir are writable, choose the
-    checkpoint to resume; every rank gets the same choice, or the same error."""
+    """Rank 0: create and lock run_dir, check it and ckpt_dir are writable, list the
+    checkpoints to resume from; then every rank verifies its share of their files (all
+    ranks call this) and all get the same choice, or the same error."""
     lock = RunDirLock(run_dir) if is_main else None
 
-    def prepare() -> str | None:
+    def prepare() -> list[str]:
         check_writable(run_dir, "run.dir")
         lock.acquire()
         try:
             check_writable(ckpt_dir, "run.dir")
-            path = _resume_choice(ckpt_dir, resume)
+            return _candidates(ckpt_dir, resume)
         except BaseException:
             lock.release()
             raise
-        return None if path is None else str(path)
 
-    path = agreed_on_rank0(prepare, is_main, world)
-    return lock, None if path is None else Path(path)
+    candidates = agreed_on_rank0(prepare, is_main, world)
+    try:
+        path = _first_intact(candidates, resume, ckpt_dir, dist.get_rank() if world > 1
+                             else 0, world)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, path
 
 
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:

@@ -167,6 +167,27 @@ def mlflow_client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def ensure_experiment(client: Any, uri: str, name: str,
+                      tags: Mapping[str, str] | None = None) -> str:
+    """The id of MLflow experiment `name` in the store `uri`, created (with `tags`) if
+    missing. With a sqlite store its artifacts go next to the database, not into ./mlruns of
+    whatever directory the process runs in."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    artifact_location = None
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///")).resolve()
+        artifact_location = (db.parent / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location,
+                                        tags=dict(tags) if tags else None)
+    except MlflowException:  # created meanwhile by another process (a job array's task)
+        return client.get_experiment_by_name(name).experiment_id
+
+
 def run_tags_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The run tags in $DENSEFORMER_MLFLOW_TAGS (a JSON object), {} when it is unset."""
     text = (os.environ if environ is None else environ).get(RUN_TAGS_ENV, "")
@@ -249,7 +270,7 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         if self.run_id is None:
-            experiment_id = self._experiment_id(cfg.tracking.experiment)
+            experiment_id = ensure_experiment(self._client, self.uri, cfg.tracking.experiment)
             commit = git_commit()
             tags = {"git_commit": commit, "mlflow.source.git.commit": commit,
                     "host": socket.gethostname(), **run_tags}
@@ -269,22 +290,6 @@ class Tracker:
         resumes = int(run.data.tags.get("resume_count", "0")) + 1
         tags = {**run_tags, "resume_count": str(resumes)}
         self._client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-
-    def _experiment_id(self, name: str) -> str:
-        from mlflow.exceptions import MlflowException
-
-        experiment = self._client.get_experiment_by_name(name)
-        if experiment is not None:
-            return experiment.experiment_id
-        artifact_location = None
-        if self.uri.startswith("sqlite:///"):
-            # Next to the database, not in ./mlruns of whatever directory we run from.
-            db = Path(self.uri.removeprefix("sqlite:///")).resolve()
-            artifact_location = (db.parent / "mlartifacts").as_uri()
-        try:
-            return self._client.create_experiment(name, artifact_location=artifact_location)
-        except MlflowException:  # created meanwhile by another job of the array
-            return self._client.get_experiment_by_name(name).experiment_id
 
     def _guard(self, what: str, fn: Any, *args: Any, always: bool = False) -> None:
         """Run an MLflow write; a failure warns (the first time) instead of killing a long

@@ -11,34 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import math
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
+from data_pipeline.progress import progress_bar, write_line
 from parallel import groups
 from parallel.layout import Layout, setup_layout
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from pretrain.run_checkpoint import SaveFailed
 from pretrain.run_dir import agreed_on_rank0
 from pretrain.signals import StopRequest
 
 
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN/inf loss or gradient norm."""
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (raised on every rank, with rank 0's OS error)."""
 
 
 def resolve_run_dir(cfg: Config, layout: Layout) -> Path:
@@ -70,7 +65,6 @@ class Trainer:
     def __init__(self, cfg: Config):
         from data_pipeline.index import read_index
         from data_pipeline.loader import TrainLoader
-        from pretrain import checkpoint
         from pretrain.engine import build_engine
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
@@ -118,50 +112,42 @@ class Trainer:
         self.skip_streak = 0  # consecutive skipped steps (train.on_nan=skip)
         self.protected_checkpoint: Path | None = None  # kept from pruning during a streak
         if self.resume_from is not None:
-            # Rank 0 verified every hash when choosing it; the others check as they read.
-            self._load(checkpoint.load_checkpoint(self.resume_from,
-                                                  verify_hashes=not layout.is_main))
+            # The ranks hashed its files between them when choosing it (pretrain/run_dir.py).
+            self._load(self.resume_from)
             self.saved_step = self.step
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def _load(self, state: dict) -> None:
+    def _load(self, path: Path) -> None:
+        """Resume from checkpoint `path`: each rank reads its own slices (collective)."""
+        from pretrain.run_checkpoint import load_run
         from pretrain.run_dir import fingerprint_mismatch
 
-        meta = state["meta"]
+        meta = load_run(self.engine, path)
         if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
             differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
             if differ:
-                raise ConfigError("train.resume", f"{self.resume_from} was written by a "
-                                  "different run; these differ: " + "; ".join(differ))
-        self.engine.load_full_state(state["model"], state["optimizer"])
+                raise ConfigError("train.resume", f"{path} was written by a different run; "
+                                  "these differ: " + "; ".join(differ))
         self.loader.load_state_dict(meta["loader"])
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step (collective: TP shards are gathered); every
-        rank gets its path, or SaveFailed with rank 0's error, at once."""
-        from pretrain import checkpoint
+        """Write a checkpoint of the current step (collective: every rank its own tensors);
+        every rank gets its path, or SaveFailed with the first error, at once."""
+        from pretrain.run_checkpoint import save_run
 
-        state = self.engine.full_state()  # complete on rank 0
-        outcome = [None, None]  # [path, error message]
-        if self.layout.is_main:
-            meta = {"step": self.step, "loader": self.loader.state_dict(),
-                    "mlflow_run_id": self.mlflow_run_id, "layout": self.layout.name,
-                    "config": self.cfg.run.name, "fingerprint": self.fingerprint}
-            try:
-                outcome[0] = str(checkpoint.save_checkpoint(
-                    self.ckpt_dir, self.step, {**state, "meta": meta},
-                    keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint))
-            except (OSError, RuntimeError) as err:  # torch.save reports I/O as RuntimeError
-                outcome[1] = _save_error(err, self.ckpt_dir, self.step)
-        if self.layout.world > 1:  # also the barrier: nobody runs ahead of the write
-            dist.broadcast_object_list(outcome, src=0)
-        if outcome[1] is not None:
-            raise SaveFailed(outcome[1])
+        layout = self.layout
+        meta = {"step": self.step, "loader": self.loader.state_dict(),
+                "mlflow_run_id": self.mlflow_run_id, "layout": layout.name,
+                "parallel": dataclasses.asdict(self.cfg.parallel), "world": layout.world,
+                "config": self.cfg.run.name, "fingerprint": self.fingerprint}
+        path = save_run(self.engine, self.ckpt_dir, self.step, meta,
+                        keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint,
+                        rank=layout.rank, world=layout.world)
         self.saved_step = self.step
-        return Path(outcome[0])
+        return path
 
     # -- one optimizer step --------------------------------------------------------------
 
@@ -230,7 +216,7 @@ class Trainer:
 def _print_main(layout: Layout, *lines: str) -> None:
     if layout.is_main:
         for line in lines:
-            tqdm.write(line, file=sys.stderr)
+            write_line(line)
 
 
 def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
@@ -289,8 +275,9 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
             "length), or start a new run.dir"))
 
     status, finish = 0, "FINISHED"
-    progress = tqdm(total=stop_at, initial=trainer.step, disable=not main, desc="train",
-                    unit="step", file=sys.stderr, dynamic_ncols=True)
+    # A bar only on a terminal; in a log file the "step N/M" lines below are the progress.
+    progress = progress_bar(main, total=stop_at, initial=trainer.step, desc="train",
+                            unit="step")
     data = iter(trainer.loader)
     try:
         with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
@@ -333,7 +320,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                        " (set train.on_nan=skip to skip such steps)"))
         status, finish = EXIT_NONFINITE, "FAILED"
     except SaveFailed as err:  # every rank says it: each has its own log under Slurm
-        tqdm.write(f"error (rank {layout.rank}): {err}", file=sys.stderr)
+        write_line(f"error (rank {layout.rank}): {err}")
         status, finish = EXIT_SAVE_FAILED, "FAILED"
     except BaseException:
         tracker.finish("FAILED")
@@ -370,20 +357,6 @@ def _checkpoint_of_this_step(trainer: Trainer) -> Path:
     return trainer.save()
 
 
-def _save_error(err: BaseException, ckpt_dir: Path, step: int) -> str:
-    """What a failed checkpoint write tells the user: the path, the OS error, what is kept."""
-    from pretrain import checkpoint
-
-    if isinstance(err, OSError):
-        name = errno.errorcode.get(err.errno, "")
-        where = f" ({err.filename})" if err.filename else ""
-        what = f"{err.strerror or err} [{name}]{where}"
-    else:
-        what = f"{type(err).__name__}: {err}"
-    return (f"cannot write the checkpoint of step {step} into {ckpt_dir}: {what}; the previous "
-            f"checkpoint {checkpoint.latest_checkpoint(ckpt_dir)} is intact")
-
-
 def _validate(trainer: Trainer, metrics, tracker) -> None:
     """Validation loss of the current step; a failure exits 2 naming the data, after this
     step's checkpoint is written (DataError)."""
@@ -403,8 +376,8 @@ def _validate(trainer: Trainer, metrics, tracker) -> None:
     if layout.is_main:
         metrics.log({"step": trainer.step, **result})
         tracker.log_metrics(result, trainer.step)
-        tqdm.write(f"step {trainer.step} validation: loss {result['val_loss']:.4f} "
-                   f"ppl {result['val_ppl']:.2f}", file=sys.stderr)
+        write_line(f"step {trainer.step} validation: loss {result['val_loss']:.4f} "
+                   f"ppl {result['val_ppl']:.2f}")
 
 
 @contextlib.contextmanager

@@ -217,8 +217,7 @@ def cmd_fit(args) -> int:
 
     from mlflow.exceptions import MlflowException
 
-    from pretrain.tracking import bounded_http_requests
-    from slurm.sweep import mlflow_client
+    from pretrain.tracking import bounded_http_requests, mlflow_client
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     try:

@@ -62,23 +62,32 @@ class Rendezvous:
         return f"{self.host}:{self.port}"
 
 
-def first_node(nodelist: str) -> str:
-    """The first host of a Slurm node list: "gpu[07-09,12],cpu1" -> "gpu07"."""
-    nodelist = nodelist.strip()
-    if not nodelist:
+HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def node_hosts(nodelist: str, env: dict) -> list[str]:
+    """Every host of a Slurm node list, in order, as `scontrol show hostnames` expands it."""
+    if not nodelist.strip():
         raise LaunchError("SLURM_JOB_NODELIST is empty")
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):  # the first item: up to a comma outside brackets
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            end = i
-            break
-    item = nodelist[:end]
-    # Each bracket group contributes its first value, zero padding kept.
-    host = re.sub(r"\[([^\],\-]+)[^\]]*\]", r"\1", item)
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", host):
-        raise LaunchError(f"cannot read the first node of SLURM_JOB_NODELIST={nodelist!r}")
-    return host
+    scontrol = shutil.which("scontrol", path=env.get("PATH"))
+    if scontrol is None:
+        raise LaunchError(
+            f"scontrol is not on PATH; the launcher runs `scontrol show hostnames` to find "
+            f"the first node of SLURM_JOB_NODELIST={nodelist!r}. Install Slurm's client "
+            f"commands or set {ENV_PREFIX}RDZV_HOST (or --rdzv-host)")
+    try:
+        done = subprocess.run([scontrol, "show", "hostnames", nodelist], env=env,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`scontrol show hostnames {nodelist}` took over 60s") from None
+    hosts = done.stdout.split()
+    # scontrol is lenient ("a[1-" gives "a]"): a host the rendezvous cannot use is refused here.
+    if done.returncode != 0 or not hosts or not all(HOST_NAME.fullmatch(h) for h in hosts):
+        raise LaunchError(
+            f"cannot read the nodes of SLURM_JOB_NODELIST={nodelist!r}: `scontrol show "
+            f"hostnames` exited {done.returncode} with "
+            f"{(done.stderr.strip() or done.stdout.strip() or 'no output')!r}")
+    return hosts
 
 
 def _env_int(env: dict, name: str, default: int | None) -> int | None:
@@ -112,7 +121,7 @@ def rendezvous_from(args: argparse.Namespace, env: dict) -> Rendezvous:
     host = args.rdzv_host or env.get(ENV_PREFIX + "RDZV_HOST")
     if not host:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        host = first_node(nodelist) if nodelist else "127.0.0.1"
+        host = node_hosts(nodelist, env)[0] if nodelist else "127.0.0.1"
     job = env.get("SLURM_JOB_ID", "")
     port = args.rdzv_port or _env_int(env, ENV_PREFIX + "RDZV_PORT", None) \
         or DEFAULT_RDZV_PORT + (int(job) % 1000 if job.isdigit() else 0)
@@ -262,6 +271,7 @@ def run_ranks(command: list[str], env: dict[str, str],
 def launch(args: argparse.Namespace) -> int:
     """Start this node's ranks for the configured training; returns the exit status."""
     from pretrain.config import ConfigError
+    from slurm.sweep_spec import SweepError
 
     env = dict(os.environ)
     try:
@@ -274,7 +284,7 @@ def launch(args: argparse.Namespace) -> int:
         else:
             task, config, overrides = None, args.config, list(args.overrides)
         overrides = training_overrides(config, overrides, env)
-    except (LaunchError, ConfigError) as err:
+    except (LaunchError, SweepError, ConfigError) as err:
         print(f"launcher: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     worker_args = ["train", "--config", config, *[x for o in overrides for x in ("--set", o)]]

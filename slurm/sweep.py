@@ -115,36 +115,13 @@ def write_sweep(sweep: Sweep) -> Path:
     return existing
 
 
-def mlflow_client(uri: str):
-    """An MlflowClient for `uri`, with MLflow's INFO logging silenced (pretrain.tracking)."""
-    from pretrain.tracking import mlflow_client as quiet_client
-
-    return quiet_client(uri)
-
-
-def ensure_experiment(uri: str, name: str, tags: dict[str, str] | None = None) -> str:
-    """The id of experiment `name` in `uri`, created if missing (artifacts next to a sqlite
-    store, as pretrain.tracking.Tracker does)."""
-    from mlflow.exceptions import MlflowException
-
-    client = mlflow_client(uri)
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = None
-    if uri.startswith("sqlite:///"):
-        location = (Path(uri.removeprefix("sqlite:///")).resolve().parent
-                    / "mlartifacts").as_uri()
-    try:
-        return client.create_experiment(name, artifact_location=location, tags=tags)
-    except MlflowException:  # created meanwhile
-        return client.get_experiment_by_name(name).experiment_id
-
-
 def submit(sweep: Sweep) -> str:
     """Write the sweep directory, create the experiment, submit the array; the job id."""
+    from pretrain.tracking import ensure_experiment, mlflow_client
+
     write_sweep(sweep)
-    ensure_experiment(sweep.tracking_uri, sweep.experiment, {"sweep_id": sweep.name})
+    ensure_experiment(mlflow_client(sweep.tracking_uri), sweep.tracking_uri, sweep.experiment,
+                      {"sweep_id": sweep.name})
     command = sbatch_command(sweep, sweep.out)
     env = {**os.environ, "DENSEFORMER_PYTHON": sys.executable,
            "DENSEFORMER_ROOT": str(REPO_ROOT),
@@ -204,17 +181,15 @@ class SweepTask:
 
 def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
     """The run that this array task trains: entry SLURM_ARRAY_TASK_ID of the manifest."""
-    from slurm.launch import LaunchError
-
     manifest_path = sweep_dir / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as err:
-        raise LaunchError(f"--sweep {sweep_dir}: cannot read {MANIFEST}: {err}") from None
+        raise SweepError(f"--sweep {sweep_dir}: cannot read {MANIFEST}: {err}") from None
     index = env.get("SLURM_ARRAY_TASK_ID", "")
     runs = manifest.get("runs", [])
     if not index.isdigit() or int(index) >= len(runs):
-        raise LaunchError(f"--sweep needs SLURM_ARRAY_TASK_ID in 0..{len(runs) - 1}, "
+        raise SweepError(f"--sweep needs SLURM_ARRAY_TASK_ID in 0..{len(runs) - 1}, "
                           f"got {index!r}")
     run = runs[int(index)]
     name = check_name(run["name"], "run name", r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -248,7 +223,7 @@ def tag_finished_task(task: SweepTask, status: int) -> None:
     try:
         from mlflow.entities import RunTag
 
-        from pretrain.tracking import bounded_http_requests
+        from pretrain.tracking import bounded_http_requests, mlflow_client
 
         with bounded_http_requests():
             client = mlflow_client(task.tracking_uri)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -25,11 +24,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel.groups import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, set_up_groups: bool,
@@ -70,7 +65,7 @@ def run_distributed_test(fn: Callable, world_size: int, timeout_s: float = 300.0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     context = mp.start_processes(
-        _worker, args=(world_size, _free_port(), tp, pp, set_up_groups, fn, kwargs, results),
+        _worker, args=(world_size, free_port(), tp, pp, set_up_groups, fn, kwargs, results),
         nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     by_rank: dict[int, Any] = {}

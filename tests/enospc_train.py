@@ -2,7 +2,7 @@
 
     ENOSPC_AT_SAVE=2 python tests/enospc_train.py train --config ... (or under torchrun)
 
-The ENOSPC_AT_SAVE-th save gets `model.pt` in its temporary directory as a symlink to
+The ENOSPC_AT_SAVE-th save gets rank 0's tensor file in its temporary directory as a symlink to
 /dev/full, so the write fails in the kernel with ENOSPC exactly as on a full file system
 (root ignores permission bits, so an unwritable directory cannot stand in for it)."""
 
@@ -21,7 +21,8 @@ def _new_tmp_dir_on_a_full_disk(ckpt_root, step):
     tmp_dir = _new_tmp_dir(ckpt_root, step)
     _saves += 1
     if _saves == int(os.environ["ENOSPC_AT_SAVE"]) and os.environ.get("RANK", "0") == "0":
-        os.symlink("/dev/full", tmp_dir / "model.pt")
+        (tmp_dir / "tensors").mkdir()
+        os.symlink("/dev/full", tmp_dir / "tensors/__0_0.distcp")
     return tmp_dir
 
 

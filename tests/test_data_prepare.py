@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import tarfile
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from data_fixtures import make_documents, prepare_tiny, write_jsonl, write_txt
 from data_pipeline.__main__ import main
 from data_pipeline.index import read_index, sha256_file
 from data_pipeline.loader import validation_batches
-from data_pipeline.shards import read_shard_samples
+from data_pipeline.shards import ShardWriter, read_shard_samples, record_bytes
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.tokenizer import load_tokenizer
 
@@ -212,3 +215,70 @@ def test_no_validation_split(tmp_path, capsys):
     assert index.raw["splits"]["train"]["documents"] == 40
     assert list(validation_batches(index.data_dir, 2)) == []
     assert main(["inspect", str(index.data_dir)]) == 0
+
+
+def ustar_header(name: str, size: int) -> bytes:
+    """A USTAR member header built field by field from the POSIX layout, not by tarfile:
+    mode 0644, uid/gid 0, no owner names, mtime 0, a regular file (no device numbers)."""
+    fields = [
+        name.encode("ascii").ljust(100, b"\0"),  # name
+        b"0000644\0", b"0000000\0", b"0000000\0",  # mode, uid, gid
+        b"%011o\0" % size, b"00000000000\0",  # size, mtime
+        b" " * 8,  # checksum, counted as spaces
+        b"0", b"\0" * 100, b"ustar\x0000",  # type (regular file), linkname, magic+version
+        b"\0" * 32, b"\0" * 32,  # owner and group names
+        b"\0" * 8, b"\0" * 8, b"\0" * 155,  # device numbers (empty: not a device), prefix
+    ]
+    header = b"".join(fields).ljust(512, b"\0")
+    return header[:148] + b"%06o\0 " % sum(header) + header[156:]
+
+
+def npy_payload(sample: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, sample, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def golden_shard(samples: list[np.ndarray], first_key: int) -> bytes:
+    """The documented layout: per sample a header and the payload zero-padded to 512 bytes,
+    then the two 512-byte end-of-archive blocks and nothing after them."""
+    body = b""
+    for position, sample in enumerate(samples, start=first_key):
+        payload = npy_payload(sample)
+        body += ustar_header(f"{position:010d}.npy", len(payload))
+        body += payload + bytes(-len(payload) % 512)
+    return body + bytes(1024)
+
+
+def previous_writer_shard(samples: list[np.ndarray], first_key: int, path) -> bytes:
+    """What the writer before webdataset's TarWriter produced: stdlib tarfile in USTAR format,
+    truncated just past the end-of-archive blocks."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for position, sample in enumerate(samples, start=first_key):
+            payload = npy_payload(sample)
+            info = tarfile.TarInfo(f"{position:010d}.npy")
+            info.size, info.mode = len(payload), 0o644
+            tar.addfile(info, io.BytesIO(payload))
+        end = tar.offset + 1024
+    os.truncate(path, end)
+    return path.read_bytes()
+
+
+def test_shard_bytes_match_golden_layout_and_previous_writer(tmp_path):
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(0, 400, size=17).astype(np.uint16) for _ in range(5)]
+    writer = ShardWriter(tmp_path, "train", samples_per_shard=3)
+    for sample in samples:
+        writer.write(sample)
+    entries = writer.close()
+    assert [(entry["name"], entry["samples"]) for entry in entries] == [
+        ("train-000000.tar", 3), ("train-000001.tar", 2)]
+    record = record_bytes(17, "uint16")
+    assert record == 1024  # 512-byte header + 162-byte .npy padded to 512
+    for entry, first_key in zip(entries, (0, 3), strict=True):
+        written = (tmp_path / entry["name"]).read_bytes()
+        chunk = samples[first_key : first_key + entry["samples"]]
+        assert len(written) == entry["bytes"] == entry["samples"] * record + 1024
+        assert written == golden_shard(chunk, first_key), f"{entry['name']} differs from layout"
+        previous = previous_writer_shard(chunk, first_key, tmp_path / f"previous-{first_key}.tar")
+        assert written == previous, f"{entry['name']} differs from the previous writer's bytes"

@@ -8,9 +8,7 @@ import pytest
 
 from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 from tests.conftest import ROOT
-from tests.test_train import run, train_cmd
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+from tests.test_train import on_ranks, run, train_cmd
 
 
 def enospc_cmd(data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -32,10 +30,8 @@ def test_a_full_disk_at_a_save_stops_every_rank_naming_the_path(tiny_data, tmp_p
 
     run_dir = tmp_path / "run"
     cmd = enospc_cmd(tiny_data, run_dir)
-    if ranks > 1:
-        cmd = [*TORCHRUN, "--nproc_per_node", str(ranks), *cmd[1:]]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                            env=_env_with(ENOSPC_AT_SAVE="2"))
+    result = subprocess.run(on_ranks(ranks, cmd), capture_output=True, text=True, timeout=240,
+                            cwd=ROOT, env=_env_with(ENOSPC_AT_SAVE="2"))
     # One process: 74. torchrun reports any failure as 1; each rank's own line says 74.
     assert result.returncode == (74 if ranks == 1 else 1), result.stderr
     ckpts = run_dir / "checkpoints"

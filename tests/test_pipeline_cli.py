@@ -2,13 +2,10 @@
 checkpoints load at another pipeline size (and back)."""
 
 import json
-import sys
 
 import pytest
 
-from tests.test_train import losses, run, train_cmd
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+from tests.test_train import losses, on_ranks, run, train_cmd
 
 
 def records(run_dir) -> dict[int, dict]:
@@ -18,18 +15,20 @@ def records(run_dir) -> dict[int, dict]:
 
 @pytest.mark.timeout(600)
 def test_cli_pp2_matches_pp1_and_checkpoints_load_across_pipeline_sizes(tiny_data, tmp_path):
-    common = ["train.steps=6", "model.n_layers=3", "parallel.microbatches=2",
+    common = ["train.steps=6", "model.n_layers=4", "parallel.microbatches=2",
               "tracking.enabled=false", "train.eval_every=6"]
     one = run(train_cmd(tiny_data, tmp_path / "pp1", *common))
     assert one.returncode == 0, one.stderr
 
-    mixed = tmp_path / "mixed"  # steps 1-3 at PP=2, 4 at PP=1, 5-6 at PP=2 again
-    segments = [(2, ["parallel.pp=2", "train.stop_at=3"]),
+    # steps 1-3 at PP=2 with 2 virtual stages per rank, 4 at PP=1, 5-6 at PP=2 split [3, 1]
+    mixed = tmp_path / "mixed"
+    segments = [(2, ["parallel.pp=2", "parallel.virtual_stages=2", "train.stop_at=3"]),
                 (1, ["train.resume=auto", "train.stop_at=4"]),
-                (2, ["parallel.pp=2", "parallel.pp_transfer=raw", "train.resume=auto"])]
+                (2, ["parallel.pp=2", "parallel.pp_split=[3,1]", "parallel.pp_transfer=raw",
+                     "train.resume=auto"])]
     for n, extra in segments:
         cmd = train_cmd(tiny_data, mixed, *common, *extra)
-        result = run([*TORCHRUN, str(n), *cmd[1:]] if n > 1 else cmd)
+        result = run(on_ranks(n, cmd))
         assert result.returncode == 0, result.stderr
         if n > 1:
             assert "pipeline: 2 ranks" in result.stderr and "after block" in result.stderr
@@ -61,7 +60,7 @@ def test_cli_four_rank_pipeline_layouts_match_pp1(tiny_data, tmp_path):
     for name, extra in layouts.items():
         cmd = train_cmd(tiny_data, tmp_path / name, *common, *extra)
         n = 2 if name == "pp2-interleaved" else 4
-        result = run([*TORCHRUN, str(n), *cmd[1:]], timeout=600)
+        result = run(on_ranks(n, cmd), timeout=600)
         assert result.returncode == 0, (name, result.stderr)
         b = records(tmp_path / name)
         assert a.keys() == b.keys(), name

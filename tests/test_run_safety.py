@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,9 +14,7 @@ import pytest
 
 from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
 from tests.conftest import ROOT, cli_env
-from tests.test_train import losses, run, train_cmd
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+from tests.test_train import losses, on_ranks, run, train_cmd
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -49,9 +46,9 @@ def test_data_longer_than_the_model_trains_validates_and_checkpoints(tiny_data, 
     assert [r["step"] for r in records(tmp_path / "one") if "val_loss" in r] == [2, 4]
     assert latest_checkpoint(tmp_path / "one/checkpoints").name == "step-00000004"
 
-    two = run([*TORCHRUN, "--nproc_per_node", "2",
-               *train_cmd(tiny_data, tmp_path / "pp2", "model.seq_len=16", "train.steps=4",
-                          "train.eval_every=2", "tracking.enabled=false", "parallel.pp=2")[1:]])
+    two = run(on_ranks(2, train_cmd(tiny_data, tmp_path / "pp2", "model.seq_len=16",
+                                    "train.steps=4", "train.eval_every=2",
+                                    "tracking.enabled=false", "parallel.pp=2")))
     assert two.returncode == 0, two.stderr
     val_one = {r["step"]: r["val_loss"] for r in records(tmp_path / "one") if "val_loss" in r}
     val_two = {r["step"]: r["val_loss"] for r in records(tmp_path / "pp2") if "val_loss" in r}
@@ -183,7 +180,7 @@ def test_resume_passes_over_corrupt_and_incomplete_checkpoints_with_a_warning(
     run_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
-    _corrupt(checkpoint_dir(ckpts, 6) / "model.pt")
+    _corrupt(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     (checkpoint_dir(ckpts, 4) / "manifest.json").unlink()
     resumed = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto",
                             "tracking.enabled=false"))
@@ -201,7 +198,7 @@ def test_resume_with_no_intact_checkpoint_exits_2_naming_them(
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
     for step in (2, 4, 6):
-        _corrupt(checkpoint_dir(ckpts, step) / "model.pt")
+        _corrupt(checkpoint_dir(ckpts, step) / "tensors/__0_0.distcp")
     before = (run_dir / "metrics.jsonl").read_text()
     refused = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto"))
     assert refused.returncode == 2, refused.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel.groups import free_port
 from tests.conftest import ROOT, cli_env
 
 STEPS = 300  # long enough to signal a run mid-way; shorter tests stop at STOP_AT
@@ -35,12 +35,6 @@ def sets(*overrides: str) -> list[str]:
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +181,20 @@ def sbatch_training(conf: Path, data: Path, run_dir: Path, log_dir: Path, *extra
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
+
+
+@pytest.mark.timeout(120)
+def test_node_lists_are_expanded_by_scontrol(cluster):
+    from slurm.launch import LaunchError, node_hosts
+
+    env = slurm_env(cluster)
+    assert node_hosts("vm", env) == ["vm"]
+    assert node_hosts("gpu[07-09,12],cpu1", env) == ["gpu07", "gpu08", "gpu09", "gpu12", "cpu1"]
+    assert node_hosts("rack[2-3]-n[001-002]", env) == [
+        "rack2-n001", "rack2-n002", "rack3-n001", "rack3-n002"]
+    for bad in ("bad host;rm", "a[1-", " "):  # scontrol turns the first two into odd names
+        with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST"):
+            node_hosts(bad, env)
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 import yaml
 
-from slurm.launch import EXIT_PREEMPTED, combine_statuses, first_node, training_overrides
+from parallel.groups import free_port
+from slurm.launch import EXIT_PREEMPTED, combine_statuses, training_overrides
 from slurm.scaling import compute_multiplier, fit_compute_law, fit_params_tokens
 from slurm.sweep import sbatch_command
 from slurm.sweep_spec import SweepError, expand
@@ -43,13 +43,34 @@ def write_sweep(tmp_path: Path, file: str = "sweep.yaml", **changes) -> Path:
 # Launcher pieces
 
 
-def test_first_node_of_slurm_node_lists():
-    assert first_node("vm") == "vm"
-    assert first_node("gpu[07-09,12],cpu1") == "gpu07"
-    assert first_node("a1,b2") == "a1"
-    assert first_node("rack[2-3]-n[001-004]") == "rack2-n001"
-    with pytest.raises(ValueError):
-        first_node("bad host;rm")
+def test_launcher_without_scontrol_names_it(tmp_path):
+    """Node lists are expanded by `scontrol show hostnames` (tests/test_slurm.py runs it);
+    without scontrol on PATH the launcher exits 2 naming it and the way around it."""
+    env = {**cli_env(), "PATH": str(tmp_path), "SLURM_JOB_NODELIST": "gpu[07-09]",
+           "SLURM_JOB_ID": "123"}
+    env.pop("DENSEFORMER_RDZV_HOST", None)
+    done = subprocess.run([sys.executable, "-m", "slurm", "launch", "--config",
+                           str(ROOT / "configs/tiny.yaml")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "scontrol is not on PATH" in done.stderr, done.stderr
+    assert "gpu[07-09]" in done.stderr and "DENSEFORMER_RDZV_HOST" in done.stderr
+
+
+@pytest.mark.parametrize("task_id", ["", "7"])
+def test_launcher_refuses_a_missing_sweep_or_task(tmp_path, task_id):
+    """The sweep's own error (SweepError, no import of the launcher) ends the launcher with 2."""
+    env = {**cli_env(), "SLURM_ARRAY_TASK_ID": task_id}
+    sweep_dir = tmp_path / "sweep"
+    if task_id:  # a manifest of one run: task 7 does not exist
+        sweep_dir.mkdir()
+        (sweep_dir / "sweep.json").write_text(json.dumps({"sweep": "s", "runs": [{}]}))
+    done = subprocess.run([sys.executable, "-m", "slurm", "launch", "--sweep", str(sweep_dir),
+                           "--rdzv-host", "127.0.0.1"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    expected = "SLURM_ARRAY_TASK_ID in 0..0, got '7'" if task_id else "cannot read sweep.json"
+    assert "launcher: error: --sweep" in done.stderr and expected in done.stderr, done.stderr
 
 
 def test_node_status_tells_preemption_from_failure():
@@ -334,9 +355,7 @@ def test_sweep_tags_are_on_the_run_while_training_and_after_a_kill(tmp_path, tin
     write_dir(sweep)
     manifest = json.loads((sweep.out / "sweep.json").read_text())
     entry = manifest["runs"][1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "slurm", "launch", "--sweep", str(sweep.out),
          "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port),

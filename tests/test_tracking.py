@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel.groups import free_port
 from pretrain.config import ConfigError, flat_params, load_config
 from pretrain.tracking import (
     HTTP_BOUNDS,
@@ -180,9 +181,7 @@ def test_mlflow_run_is_continued_on_resume(tmp_path, caplog):
 
 def closed_port_uri() -> str:
     """An http URI on a loopback port that nothing listens on (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @contextlib.contextmanager
@@ -309,9 +308,7 @@ def test_cli_run_carries_env_tags_and_prints_no_mlflow_info(tiny_data, tmp_path)
 @contextlib.contextmanager
 def mlflow_server(store: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     """A real `mlflow server` on a free loopback port, with a sqlite backend in `store`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),

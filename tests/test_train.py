@@ -29,6 +29,15 @@ def run(cmd, timeout=240) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
+def on_ranks(ranks: int, cmd: list[str]) -> list[str]:
+    """`cmd` (a `python -m pretrain ...` line) under torchrun on `ranks` local ranks; as is
+    for one rank."""
+    if ranks == 1:
+        return cmd
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(ranks), *cmd[1:]]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in lines if "loss" in r}
@@ -57,10 +66,11 @@ def test_training_reduces_loss_and_resume_is_bitwise_exact(tiny_data, tmp_path):
                            "train.resume=auto"))
     assert second.returncode == 0, second.stderr
     assert losses(sliced) == curve  # bitwise: same floats at every step
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint
+    from pretrain.checkpoint import latest_checkpoint
+    from pretrain.sharded_checkpoint import read_checkpoint
 
-    a = load_checkpoint(latest_checkpoint(straight / "checkpoints"))["model"]
-    b = load_checkpoint(latest_checkpoint(sliced / "checkpoints"))["model"]
+    a = read_checkpoint(latest_checkpoint(straight / "checkpoints"))["model"]
+    b = read_checkpoint(latest_checkpoint(sliced / "checkpoints"))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     evaluated = run([sys.executable, "-m", "pretrain", "eval", "--run", str(straight)])
@@ -92,10 +102,11 @@ def test_nan_loss_stops_with_last_good_checkpoint_intact(tiny_data, tmp_path):
                            "optim.min_lr=0", "optim.warmup_steps=0", "checkpoint.every=1"))
     assert result.returncode == 3, result.stderr
     assert "non-finite" in result.stderr
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint
+    from pretrain.checkpoint import latest_checkpoint
+    from pretrain.sharded_checkpoint import read_checkpoint
 
     last = latest_checkpoint(run_dir / "checkpoints")
-    state = load_checkpoint(last)
+    state = read_checkpoint(last)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
     # Skipping stops once more than train.max_consecutive_skips steps in a row are skipped
@@ -140,9 +151,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tiny_data, tmp_path):
 def test_two_data_parallel_ranks_match_one(tiny_data, tmp_path):
     one = run(train_cmd(tiny_data, tmp_path / "one", "train.steps=5", "tracking.enabled=false"))
     assert one.returncode == 0, one.stderr
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", *train_cmd(tiny_data, tmp_path / "two", "train.steps=5",
-                                                  "tracking.enabled=false")[1:]])
+    two = run(on_ranks(2, train_cmd(tiny_data, tmp_path / "two", "train.steps=5",
+                                    "tracking.enabled=false")))
     assert two.returncode == 0, two.stderr
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert a.keys() == b.keys()

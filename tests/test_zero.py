@@ -213,7 +213,7 @@ def assert_bf16_close(got, ref, initial, what: str) -> None:
 def pure_dp_cases():
     """Everything at DP=2, in one spawn: (name -> result) on every rank."""
     out = {"links_late": deepspeed_links_state_late()}
-    for stage in (0, 1, 2, 3):
+    for stage in (1, 2, 3):
         out[f"stage{stage}"] = zero_run(stage)
         out[f"stage{stage}-eps"] = zero_run(stage, tuple(GRADIENT_SENSITIVE))
     out["stage1-external"] = zero_run(1, external=True)
@@ -274,6 +274,14 @@ def test_deepspeed_config_is_built_from_ours():
     assert deepspeed_config(no_clip, dp=1)["gradient_clipping"] == 0.0
 
 
+def test_zero_engine_is_only_for_stages_1_to_3():
+    """zero_stage 0 trains without DeepSpeed (pretrain/engine.py's AdamWUpdate)."""
+    from parallel.zero import ZeroEngine
+
+    with pytest.raises(ValueError, match="zero_stage 1, 2 or 3, got 0"):
+        ZeroEngine(torch.nn.Linear(2, 2), None, config("parallel.zero_stage=0"))
+
+
 @pytest.mark.timeout(420)
 def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_eps,
                                                            initial_params):
@@ -281,7 +289,7 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
     for rank_result in results:
         assert rank_result["links_late"], "DeepSpeed links AdamW state in time now: drop " \
             "ZeroEngine._link_optimizer_state"
-        for stage in (0, 1, 2, 3):
+        for stage in (1, 2, 3):
             assert_close(rank_result[f"stage{stage}"], reference, f"ZeRO-{stage}")
             got = rank_result[f"stage{stage}-eps"]
             assert_close(got, reference_eps, f"ZeRO-{stage} eps=10")

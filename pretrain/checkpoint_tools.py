@@ -1,0 +1,105 @@
+"""`python -m pretrain checkpoint inspect|export|convert`: tools for a checkpoint on disk."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+from pretrain import checkpoint, sharded_checkpoint
+
+
+def _run_config(path: Path):
+    """The config of the run that wrote checkpoint `path` (run_dir/checkpoints/step-*), its
+    vocabulary resolved."""
+    from pretrain.config import ConfigError, load_config
+
+    run_dir = path.resolve().parent.parent
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError("path", f"{run_dir / 'config.yaml'} is missing: export needs the "
+                          "config of the run that wrote the checkpoint")
+    return load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"])
+
+
+def run_tool(tool: str, path: Path, verify: bool, out: Path | None) -> int:
+    """`checkpoint inspect|export|convert`; the exit status."""
+    if not path.is_dir():
+        raise checkpoint.CheckpointError(f"{path} is not a checkpoint directory")
+    if tool == "convert":
+        return _convert(path, out)
+    verify = tool == "export" or verify
+    manifest = checkpoint.read_manifest(path, verify_hashes=verify)
+    if tool == "inspect":
+        return _inspect(path, manifest, verify)
+    return _export(path, manifest, out)
+
+
+def _inspect(path: Path, manifest: dict, verified: bool) -> int:
+    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    files = manifest["files"]
+    total = sum(f["bytes"] for f in files.values())
+    print(f"checkpoint {path}: step {meta.get('step')}, format {manifest.get('format', 1)}, "
+          f"written at layout {meta.get('layout', 'unknown')} ({meta.get('world', '?')} ranks)")
+    print(f"files: {len(files)}, {total:,} bytes; largest: " + ", ".join(
+        f"{rel} {info['bytes']:,}" for rel, info in sorted(
+            files.items(), key=lambda item: -item[1]["bytes"])[:4]))
+    if "tensors" in manifest["parts"]:
+        entries = sharded_checkpoint.tensor_entries(sharded_checkpoint.read_metadata(
+            path, manifest))
+        for key, md in sorted(entries.items()):
+            print(f"  {key}: {tuple(md.size)} {str(md.properties.dtype).removeprefix('torch.')}"
+                  f", {md.size.numel() * md.properties.dtype.itemsize:,} bytes in "
+                  f"{len(md.chunks)} shard(s)")
+    else:
+        print(f"format 1 (parts {', '.join(sorted(manifest['parts']))}): the trainer needs "
+              f"`{checkpoint.CONVERT_HINT} {path} --out NEW` first")
+    print("intact: sizes and sha256 of every file match the manifest" if verified else
+          "intact: every file has its size (add --verify to check every sha256)")
+    return 0
+
+
+def _export(path: Path, manifest: dict, out: Path) -> int:
+    from safetensors.torch import save_file
+
+    from data_pipeline.index import read_index
+    from pretrain.config import save_config
+
+    checkpoint.require_current_format(path, manifest)
+    cfg = _run_config(path)
+    index = read_index(cfg.data.path, check_files=False)
+    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    model_state, _ = sharded_checkpoint.read_full(path, manifest, optimizer=False)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in model_state.items()},
+              out / "model.safetensors", metadata={"step": str(meta["step"])})
+    save_config(dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, vocab_size=index.vocab_size)), out / "config.yaml")
+    shutil.copy2(index.tokenizer_path, out / index.tokenizer_path.name)
+    print(f"exported step {meta['step']} of {path}: {out / 'model.safetensors'} "
+          f"({len(model_state)} tensors), {out / 'config.yaml'}, "
+          f"{out / index.tokenizer_path.name}")
+    return 0
+
+
+def _convert(path: Path, out: Path) -> int:
+    """A format-1 checkpoint (model.pt, optimizer.pt: full tensors) as a format-2 one."""
+    manifest = checkpoint.read_manifest(path, verify_hashes=True)
+    if "tensors" in manifest["parts"]:
+        raise checkpoint.CheckpointError(f"{path} is already a sharded (format 2) checkpoint")
+    if out.exists():
+        raise checkpoint.CheckpointError(f"--out {out} exists; name a new directory")
+    state = checkpoint.load_checkpoint(path, verify_hashes=False)
+    meta = {**state["meta"], "converted_from": str(path.resolve())}
+    tmp_dir = checkpoint.new_tmp_dir(out.parent, meta["step"])  # same file system: rename
+    try:
+        sharded_checkpoint.save(tmp_dir, sharded_checkpoint.full_state(
+            state["model"], state.get("optimizer", {})), rank=0)
+        checkpoint.write_parts(tmp_dir, {"meta": meta})
+        checkpoint.write_manifest(tmp_dir, meta["step"])
+        os.rename(tmp_dir, out)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    print(f"converted {path} (step {meta['step']}) into {out}")
+    return 0

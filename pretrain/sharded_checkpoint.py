@@ -1,0 +1,255 @@
+"""Model and AdamW tensors of a checkpoint through torch.distributed.checkpoint (DCP).
+
+Every rank hands DCP the tensors it holds under global, layout-free keys:
+
+    model.<parameter name>           the parameter (single-process name and shape)
+    optim.<parameter name>.<key>     its AdamW state: step, exp_avg, exp_avg_sq
+
+A tensor-parallel shard goes in as a DTensor over a device mesh built from megatron-core's TP
+group (`Shard(partition_dim)`), so DCP records which slice of the global tensor it is; a
+tensor held whole by several ranks (data-parallel replicas, the tied embedding on the first
+and last pipeline stage, the (d, d + 1) DWA alphas on every pipeline rank, replicated norms)
+has the same key and slice everywhere and DCP's planner picks one writer for it, balancing
+the bytes over the ranks. So each rank writes its own file (`__<rank>_0.distcp`) holding
+only what it owns, rank 0 writes DCP's index (`.metadata`), and no tensor data crosses a
+collective (DCP exchanges only its plans).
+
+Loading asks for the slices this rank holds now, at whatever layout: DCP reads the overlap
+of each saved slice with each requested one, so a checkpoint written at one TP x PP x DP
+layout resumes at any other. Tools (eval, export, inspect) read full tensors in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from pretrain.checkpoint import CheckpointError, load_checkpoint, read_manifest, sha256_file
+
+TENSOR_DIR = "tensors"  # the DCP directory inside a checkpoint
+METADATA_FILE = ".metadata"  # DCP's index: a pickle, checked against our manifest first
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+
+def model_key(name: str) -> str:
+    return MODEL_PREFIX + name
+
+
+def optim_key(name: str, key: str) -> str:
+    return f"{OPTIM_PREFIX}{name}.{key}"
+
+
+def _tp_mesh(model: nn.Module):
+    """A 1-D device mesh over the model's tensor-parallel group (None without TP)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = getattr(model, "tp_group", None)
+    if group is None or group.size() == 1:
+        return None
+    device = next(model.parameters()).device.type
+    return DeviceMesh.from_group(group, device)
+
+
+def _global(param: torch.Tensor, tensor: torch.Tensor, mesh):
+    """`tensor` (this rank's part of `param`'s global tensor) as DCP should see it."""
+    tensor = tensor.detach()
+    if mesh is None or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's parameters and AdamW state under global keys, TP shards as DTensors."""
+    mesh = _tp_mesh(model)
+    state = {}
+    for name, param in model.named_parameters():
+        state[model_key(name)] = _global(param, param, mesh)
+        for key, value in optimizer.state.get(param, {}).items():
+            # 0-dim entries (AdamW's `step`) are the same on every rank holding the parameter
+            state[optim_key(name, key)] = value.detach() if value.ndim == 0 else \
+                _global(param, value, mesh)
+    return state
+
+
+def full_state(model_state: dict, optimizer_state: dict) -> dict:
+    """Full tensors by name (pretrain.model.state's form) under the same global keys."""
+    state = {model_key(name): tensor for name, tensor in model_state.items()}
+    for name, entries in optimizer_state.items():
+        state.update({optim_key(name, key): value for key, value in entries.items()})
+    return state
+
+
+def save(directory: Path, state: dict, rank: int) -> dict[str, dict]:
+    """Write `state` into directory/tensors with every rank (collective); {relative path:
+    {"bytes", "sha256"}} of the files this rank wrote, for the manifest."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    target = Path(directory) / TENSOR_DIR
+    # One thread: the file this rank writes is then exactly `__<rank>_0.distcp`.
+    writer = FileSystemWriter(target, single_file_per_rank=True, sync_files=True,
+                              thread_count=1, overwrite=True)
+    with _one_process_is_intended():
+        dcp.save(state, storage_writer=writer)
+    written = {}
+    for path in sorted(target.glob(f"__{rank}_*.distcp")):
+        rel = path.relative_to(directory).as_posix()
+        written[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return written
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """Silence DCP's warning that it runs without a process group (tools, one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
+
+
+def read_metadata(checkpoint: Path, manifest: dict) -> Metadata:
+    """DCP's index of `checkpoint`, after its sha256 matched the manifest's (it is a pickle:
+    never unpickle bytes the manifest does not vouch for)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+
+    rel = f"{TENSOR_DIR}/{METADATA_FILE}"
+    path = Path(checkpoint) / rel
+    entry = manifest["files"].get(rel)
+    if entry is None:
+        raise CheckpointError(f"{Path(checkpoint) / 'manifest.json'}: does not list {rel}")
+    if not path.is_file() or sha256_file(path) != entry["sha256"]:
+        raise CheckpointError(f"{path}: missing, or its sha256 differs from the manifest "
+                              "(corrupt); not unpickling it")
+    return FileSystemReader(path.parent).read_metadata()
+
+
+def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """{key: DCP's tensor metadata (global size, dtype, saved chunks)}."""
+    return {key: md for key, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+def _load(checkpoint: Path, target: dict, no_dist: bool) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+
+    reader = FileSystemReader(Path(checkpoint) / TENSOR_DIR)
+    try:
+        with _one_process_is_intended():
+            dcp.load(target, storage_reader=reader, no_dist=no_dist)
+    except dcp.api.CheckpointException as err:  # a BaseException: make it ours
+        raise CheckpointError(f"{Path(checkpoint) / TENSOR_DIR}: cannot be read ({err})") \
+            from None
+
+
+def _empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key: str,
+                       checkpoint: Path):
+    """A tensor to read this rank's part of `key` into, its global shape checked."""
+    from pretrain.model.init import full_shape
+
+    expected = torch.Size(full_shape(param, mesh.size() if mesh is not None else 1))
+    if md.size != expected:
+        raise CheckpointError(f"{checkpoint}: {key} has shape {tuple(md.size)}, this model "
+                              f"needs {tuple(expected)}")
+    local = torch.empty(param.shape, dtype=md.properties.dtype, device=param.device)
+    return _global(param, local, mesh)
+
+
+def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
+               optimizer: torch.optim.Optimizer) -> None:
+    """Read this rank's slices of its parameters and AdamW state (collective over all ranks:
+    every rank calls it); CheckpointError naming a missing or misshapen tensor."""
+
+    entries = tensor_entries(read_metadata(checkpoint, manifest))
+    mesh = _tp_mesh(model)
+    params = dict(model.named_parameters())
+    target, optim_keys, problem = {}, {}, None
+    try:
+        for name, param in params.items():
+            key = model_key(name)
+            if key not in entries:
+                raise CheckpointError(f"{checkpoint}: holds no parameter {name!r}")
+            target[key] = _empty_like_global(param, entries[key], mesh, key, checkpoint)
+            prefix = optim_key(name, "")
+            for saved, md in entries.items():
+                if not saved.startswith(prefix) or "." in saved[len(prefix):]:
+                    continue
+                if len(md.size) == 0:  # AdamW's step: 0-dim, kept on the CPU as torch does
+                    target[saved] = torch.empty((), dtype=md.properties.dtype)
+                else:
+                    target[saved] = _empty_like_global(param, md, mesh, saved, checkpoint)
+                optim_keys.setdefault(name, []).append(saved[len(prefix):])
+    except CheckpointError as err:
+        problem = str(err)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:  # a pipeline rank may miss what the others have: all stop, or none
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise CheckpointError(problem)
+    _load(checkpoint, target, no_dist=not dist.is_initialized())
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(_local(target[model_key(name)]))
+            if name in optim_keys:
+                optimizer.state[param] = {
+                    key: _local(target[optim_key(name, key)]) for key in optim_keys[name]}
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def read_full(checkpoint: Path, manifest: dict, names: list[str] | None = None,
+              optimizer: bool = True, no_dist: bool = True) -> tuple[dict, dict]:
+    """(model state, optimizer state) as full tensors by parameter name (`names`, or all),
+    read by this process alone unless `no_dist` is False (then every rank calls it)."""
+
+    entries = tensor_entries(read_metadata(checkpoint, manifest))
+    model_names = [k[len(MODEL_PREFIX):] for k in entries if k.startswith(MODEL_PREFIX)]
+    wanted = model_names if names is None else names
+    target = {}
+    for name in wanted:
+        if model_key(name) not in entries:
+            raise CheckpointError(f"{checkpoint}: holds no parameter {name!r}")
+        prefix = optim_key(name, "")
+        for key, md in entries.items():
+            if key == model_key(name) or (optimizer and key.startswith(prefix)
+                                          and "." not in key[len(prefix):]):
+                target[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    _load(checkpoint, target, no_dist=no_dist)
+    model_state, optimizer_state = {}, {}
+    for key, tensor in target.items():
+        if key.startswith(MODEL_PREFIX):
+            model_state[key[len(MODEL_PREFIX):]] = tensor
+        else:
+            name, entry = key[len(OPTIM_PREFIX):].rsplit(".", 1)
+            optimizer_state.setdefault(name, {})[entry] = tensor
+    return model_state, optimizer_state
+
+
+def read_checkpoint(path: Path, optimizer: bool = True, verify_hashes: bool = True) -> dict:
+    """{"meta", "model", "optimizer"} of checkpoint `path`, any format, full tensors by
+    parameter name, read by this process alone (tools and tests; the trainer reads its own
+    slices with `load_local`)."""
+    manifest = read_manifest(path, verify_hashes)
+    if "tensors" not in manifest["parts"]:  # format 1: full tensors in model.pt, optimizer.pt
+        parts = ["meta", "model", *(["optimizer"] if optimizer else [])]
+        return load_checkpoint(path, parts=parts, verify_hashes=False)
+    state = load_checkpoint(path, parts=["meta"], verify_hashes=False)
+    state["model"], optimizer_state = read_full(path, manifest, optimizer=optimizer)
+    if optimizer:
+        state["optimizer"] = optimizer_state
+    return state
