@@ -220,7 +220,7 @@ def check_index_files(index: DatasetIndex) -> None:
     for them a count off by less than 10240 / record bytes can pass.
     """
     # Imported here: shards.py imports this module for the shard and sample names.
-    from data_pipeline.shards import record_bytes, samples_for_bytes, shard_bytes
+    from data_pipeline.shard_layout import record_bytes, samples_for_bytes, shard_bytes
 
     tokenizer_path = index.tokenizer_path
     if not tokenizer_path.is_file():

@@ -38,7 +38,8 @@ from data_pipeline.index import (
     write_index,
 )
 from data_pipeline.progress import Progress, progress_bar, write_line
-from data_pipeline.shards import SequencePacker, ShardWriter, record_bytes
+from data_pipeline.shard_layout import record_bytes
+from data_pipeline.shards import SequencePacker, ShardWriter
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.sources import expand_inputs, iter_documents, read_documents
 from data_pipeline.tokenizer import TOKENIZER_FILE, load_tokenizer, train_tokenizer

@@ -4,14 +4,7 @@ A shard is a plain (USTAR) tar; sample k of a split is the member `{k:010d}.npy`
 array of seq_len + 1 tokens. Members carry mtime 0 and no owner so the same tokens give
 the same bytes. Random access for training goes through wids (see loader.py).
 
-Byte layout (what lets a trainer check sample counts with one stat per shard): each sample
-is a 512-byte header plus its .npy payload padded to 512 bytes, R bytes for every sample
-of a dataset (record_bytes); after the last sample come the two 512-byte zero blocks
-that end a tar, and nothing else. So a shard of n samples has exactly n * R + 1024 bytes
-and its size gives n back. tarfile would also pad the archive to a multiple of its
-10240-byte record; the writer cuts that padding off, because with it the size only pins n
-down to within 10240 / R samples. Shards of version-1 indexes (older `prepare`) still
-carry the padding (legacy=True below).
+Byte layout: data_pipeline/shard_layout.py (each shard's size gives its sample count).
 
 Members are written by webdataset's TarWriter into a file this module opens, so that
 after the writer closes, the record padding can be cut off (TarWriter has no option for
@@ -33,48 +26,7 @@ from webdataset.writer import TarWriter
 
 from data_pipeline import DataError
 from data_pipeline.index import sample_key, sha256_file, shard_name
-
-END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # the two zero blocks that close a tar
-LEGACY_RECORD = tarfile.RECORDSIZE  # version-1 shards are padded to a multiple of this
-
-
-def npy_bytes(sample: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, sample, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _padded(size: int, block: int) -> int:
-    return -(-size // block) * block
-
-
-def record_bytes(sample_len: int, dtype: str) -> int:
-    """Bytes one sample takes in a tar: a 512-byte header plus the padded .npy payload."""
-    payload = len(npy_bytes(np.zeros(sample_len, dtype=dtype)))
-    return tarfile.BLOCKSIZE + _padded(payload, tarfile.BLOCKSIZE)
-
-
-def shard_bytes(num_samples: int, record: int, legacy: bool = False) -> int:
-    """Exact file size of a shard of num_samples records of `record` bytes each."""
-    size = num_samples * record + END_OF_ARCHIVE
-    return _padded(size, LEGACY_RECORD) if legacy else size
-
-
-def samples_for_bytes(size: int, record: int, legacy: bool = False) -> range:
-    """The sample counts whose shard has exactly `size` bytes; empty if none has.
-
-    One count for current shards; for legacy ones every n with
-    size - 10240 < n * R + 1024 <= size, which is up to 10240 / R counts.
-    """
-    if legacy:
-        if size <= 0 or size % LEGACY_RECORD:
-            return range(0)
-        low = max(0, (size - LEGACY_RECORD - END_OF_ARCHIVE) // record + 1)
-        return range(low, (size - END_OF_ARCHIVE) // record + 1)
-    body = size - END_OF_ARCHIVE
-    if body < 0 or body % record:
-        return range(0)
-    return range(body // record, body // record + 1)
+from data_pipeline.shard_layout import npy_bytes, record_of, shard_bytes
 
 
 class ShardWriter:
@@ -127,7 +79,7 @@ class ShardWriter:
             self._open_next()
         payload = npy_bytes(sample)
         if not self._record:  # any later sample of another size fails the check at close
-            self._record = tarfile.BLOCKSIZE + _padded(len(payload), tarfile.BLOCKSIZE)
+            self._record = record_of(len(payload))
         self._tar.write({"__key__": sample_key(self.num_samples), "npy": payload})
         self._in_shard += 1
         self.shards[-1]["samples"] += 1

@@ -17,7 +17,7 @@ from data_fixtures import downgrade_to_version_1, make_documents, prepare_tiny, 
 from data_pipeline import DataError
 from data_pipeline.__main__ import main
 from data_pipeline.index import read_index, sha256_file
-from data_pipeline.shards import record_bytes
+from data_pipeline.shard_layout import record_bytes
 from tests.conftest import ROOT, cli_env
 
 # A model that fits the tiny dataset (vocab 400, seq_len 16); two steps at most.

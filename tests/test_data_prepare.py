@@ -14,7 +14,8 @@ from data_fixtures import make_documents, prepare_tiny, write_jsonl, write_txt
 from data_pipeline.__main__ import main
 from data_pipeline.index import read_index, sha256_file
 from data_pipeline.loader import validation_batches
-from data_pipeline.shards import ShardWriter, read_shard_samples, record_bytes
+from data_pipeline.shard_layout import record_bytes
+from data_pipeline.shards import ShardWriter, read_shard_samples
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.tokenizer import load_tokenizer
 
