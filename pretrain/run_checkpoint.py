@@ -64,12 +64,15 @@ def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any], keep: int
     return Path(_agree(commit, ckpt_root, step, rank, world))
 
 
-def load_run(engine, path: Path) -> dict[str, Any]:
+def load_run(engine, path: Path, check: Callable[[dict], None] = lambda meta: None
+             ) -> dict[str, Any]:
     """Read this rank's slices of checkpoint `path` into `engine` (collective); its meta.
+    `check(meta)` runs first, so a run that differs is named before any tensor shape is.
     Sizes are checked here; the hashes were checked when the checkpoint was chosen."""
     manifest = checkpoint.read_manifest(path)
     checkpoint.require_current_format(path, manifest)
     meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    check(meta)
     engine.load_sharded_state(path, manifest)
     return meta
 

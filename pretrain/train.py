@@ -123,12 +123,14 @@ class Trainer:
         from pretrain.run_checkpoint import load_run
         from pretrain.run_dir import fingerprint_mismatch
 
-        meta = load_run(self.engine, path)
-        if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
-            differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
-            if differ:
-                raise ConfigError("train.resume", f"{path} was written by a different run; "
-                                  "these differ: " + "; ".join(differ))
+        def same_run(meta: dict) -> None:
+            if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
+                differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
+                if differ:
+                    raise ConfigError("train.resume", f"{path} was written by a different "
+                                      "run; these differ: " + "; ".join(differ))
+
+        meta = load_run(self.engine, path, check=same_run)
         self.loader.load_state_dict(meta["loader"])
         self.step = meta["step"]
         self.mlflow_run_id = meta.get("mlflow_run_id")
