@@ -122,8 +122,8 @@ def _encode_chunk(chunk: tuple[int, list[str]]) -> tuple[int, np.ndarray, np.nda
     """Encode documents: (first doc number, tokens with EOS after each doc, lengths, bytes)."""
     first, texts = chunk
     processor = _worker_state["processor"]
-    eos = processor.eos_id()
-    pieces = processor.encode(texts, num_threads=1)
+    eos = processor.eos_id
+    pieces = processor.encode_batch(texts)
     lengths = np.fromiter((len(ids) + 1 for ids in pieces), dtype=np.int64, count=len(pieces))
     flat = np.empty(int(lengths.sum()), dtype=_worker_state["dtype"])
     position = 0
@@ -282,8 +282,8 @@ def _build(files: list[Path], tmp_dir: Path, options: PrepareOptions) -> dict:
     model_path = tmp_dir / TOKENIZER_FILE
     stride = _tokenizer_into(model_path, files, total_bytes, options)
     processor = load_tokenizer(model_path)
-    vocab_size, eos_id = processor.get_piece_size(), processor.eos_id()
-    if eos_id < 0:
+    vocab_size, eos_id = processor.vocab_size, processor.eos_id
+    if eos_id is None:
         raise DataError(f"{options.tokenizer}: tokenizer has no end-of-sentence id")
     requested = options.vocab_size or DEFAULT_VOCAB_SIZE
     if options.tokenizer is None and vocab_size < requested:

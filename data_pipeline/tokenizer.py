@@ -1,8 +1,13 @@
-"""Sentencepiece tokenizer: training (for `prepare`) and loading (for everyone).
+"""The tokenizer interface, its sentencepiece backend, and training for `prepare`.
 
-Training choices, all for faithful round trips of code-like text: identity normalisation,
-whitespace kept as is, newline as its own piece, byte fallback (no <unk> for unseen
-characters), digits split. Byte fallback reserves 256 ids, so --vocab-size must exceed
+Every user (prepare, inspect, the trainer's run directory, generation) goes through
+`Tokenizer`: encode, decode, vocabulary size, EOS/BOS ids and the sha256 of the file it was
+loaded from. `load_tokenizer` picks the backend from the file name (`BACKENDS`), so a Hugging
+Face `tokenizers` backend (a `tokenizer.json`) is one more class and one more entry there.
+
+Training choices (sentencepiece), all for faithful round trips of code-like text: identity
+normalisation, whitespace kept as is, newline as its own piece, byte fallback (no <unk> for
+unseen characters), digits split. Byte fallback reserves 256 ids, so --vocab-size must exceed
 256 + the control symbols + the corpus' distinct characters (about 300 for tiny corpora).
 Ids: 0 <unk>, 1 <s>, 2 </s> (the end-of-document token), 3 newline.
 """
@@ -11,7 +16,10 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -23,6 +31,135 @@ TOKENIZER_FILE = "tokenizer.model"
 # The trained pieces depend on sentencepiece's thread count, so it is fixed (not --workers)
 # for the same tokenizer on every machine; oversubscribing a small machine costs little.
 TRAIN_THREADS = 8
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. `path` is the file it was loaded from, `sha256` that file's hash
+    (the value a dataset's index.json and a run's fingerprint record)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sha256 = sha256_file(path)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids: every id is in [0, vocab_size)."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int | None:
+        """The end-of-document id (what `prepare` puts after each document), None if none."""
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> int | None:
+        """The begin-of-sequence id, None if none (`prepare` does not use it)."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """The ids of `text` (no EOS/BOS added)."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text (a backend may do it faster)."""
+        return [self.encode(text) for text in texts]
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`."""
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece .model file."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._processor = spm.SentencePieceProcessor()
+        try:
+            self._processor.Load(str(path))
+        except (OSError, RuntimeError) as error:
+            raise DataError(f"{path}: not a sentencepiece model ({error})") from error
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.get_piece_size()
+
+    @property
+    def eos_id(self) -> int | None:
+        return _id_or_none(self._processor.eos_id())
+
+    @property
+    def bos_id(self) -> int | None:
+        return _id_or_none(self._processor.bos_id())
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._processor.encode(list(texts), num_threads=1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])
+
+
+def _id_or_none(token_id: int) -> int | None:
+    return token_id if token_id >= 0 else None
+
+
+# File name -> backend; `find_tokenizer_file` looks for these names in a directory.
+BACKENDS: dict[str, type[Tokenizer]] = {TOKENIZER_FILE: SentencePieceTokenizer}
+
+
+def find_tokenizer_file(directory: str | Path) -> Path | None:
+    """The tokenizer file of a run or export directory (a name in BACKENDS), if any."""
+    for name in BACKENDS:
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
+def load_tokenizer(path: str | Path, expected_sha256: str | None = None) -> Tokenizer:
+    """The Tokenizer of a tokenizer file, or of a prepared dataset directory.
+
+    Given a dataset directory, the tokenizer named in its index.json is loaded and its
+    sha256 checked against the index; given a file, against expected_sha256 if set. Files
+    named like none of BACKENDS are read as sentencepiece models (`prepare --tokenizer`).
+    """
+    path = Path(path)
+    if path.is_dir():
+        index_path = path / INDEX_FILE
+        try:
+            tokenizer = json.loads(index_path.read_text(encoding="utf-8"))["tokenizer"]
+            path, expected_sha256 = path / tokenizer["file"], tokenizer["sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise DataError(f"{index_path}: cannot find the tokenizer entry ({error})") from error
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer model file does not exist")
+    loaded = BACKENDS.get(path.name, SentencePieceTokenizer)(path)
+    if expected_sha256 is not None and loaded.sha256 != expected_sha256:
+        raise DataError(f"{path}: sha256 {loaded.sha256} differs from the expected "
+                        f"{expected_sha256}")
+    return loaded
+
+
+def copy_tokenizer(source: str | Path, directory: str | Path,
+                   expected_sha256: str | None = None, replace: bool = False) -> Path:
+    """Copy a tokenizer file (or a dataset directory's) into `directory`, atomically; the
+    copy keeps the file name, so `find_tokenizer_file(directory)` finds it. An identical copy
+    already there is kept; a different one is replaced if `replace`, else an error (a run
+    keeps the tokenizer it began with)."""
+    tokenizer = load_tokenizer(source, expected_sha256)
+    name = tokenizer.path.name if tokenizer.path.name in BACKENDS else TOKENIZER_FILE
+    target = Path(directory) / name
+    if target.exists() and not replace:
+        if sha256_file(target) != tokenizer.sha256:
+            raise DataError(f"{target}: holds a different tokenizer than {tokenizer.path} "
+                            f"(sha256 {tokenizer.sha256})")
+        return target
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.copyfile(tokenizer.path, tmp)
+    os.replace(tmp, target)
+    return target
 
 
 def train_tokenizer(lines: Iterable[str], model_path: Path, vocab_size: int, seed: int) -> Path:
@@ -64,31 +201,3 @@ def train_tokenizer(lines: Iterable[str], model_path: Path, vocab_size: int, see
         raise DataError(f"tokenizer training failed{hint}: {error}") from error
     model_path.write_bytes(model.getvalue())
     return model_path
-
-
-def load_tokenizer(path: str | Path, expected_sha256: str | None = None):
-    """A SentencePieceProcessor from a .model file, or from a prepared dataset directory.
-
-    Given a dataset directory, the tokenizer named in its index.json is loaded and its
-    sha256 checked against the index; given a file, against expected_sha256 if set.
-    """
-    path = Path(path)
-    if path.is_dir():
-        index_path = path / INDEX_FILE
-        try:
-            tokenizer = json.loads(index_path.read_text(encoding="utf-8"))["tokenizer"]
-            path, expected_sha256 = path / tokenizer["file"], tokenizer["sha256"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise DataError(f"{index_path}: cannot find the tokenizer entry ({error})") from error
-    if not path.is_file():
-        raise DataError(f"{path}: tokenizer model file does not exist")
-    if expected_sha256 is not None:
-        actual = sha256_file(path)
-        if actual != expected_sha256:
-            raise DataError(f"{path}: sha256 {actual} differs from the expected {expected_sha256}")
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.Load(str(path))
-    except (OSError, RuntimeError) as error:
-        raise DataError(f"{path}: not a sentencepiece model ({error})") from error
-    return processor

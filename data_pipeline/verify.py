@@ -74,9 +74,9 @@ def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool =
     """
     index = read_index(data_dir)  # tokenizer sha256 and shard sizes
     processor = load_tokenizer(index.tokenizer_path)
-    if processor.get_piece_size() != index.vocab_size:
+    if processor.vocab_size != index.vocab_size:
         raise DataError(
-            f"{index.tokenizer_path}: {processor.get_piece_size()} pieces, "
+            f"{index.tokenizer_path}: {processor.vocab_size} pieces, "
             f"index says vocab_size {index.vocab_size}"
         )
     decoded: list[str] = []

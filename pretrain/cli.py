@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from pretrain import generate_cli
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "optimizer.pt) as a sharded (format 2) one")
     convert.add_argument("path", help="the format-1 checkpoint directory")
     convert.add_argument("--out", required=True, help="the new checkpoint directory")
+    generate_cli.add_parser(sub)
     return parser
 
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
-               "checkpoint": cmd_checkpoint}[args.command]
+               "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate}[args.command]
     try:
         status = command(args)
     except (ConfigError, DataError, CheckpointError) as err:

@@ -162,10 +162,12 @@ def agreed_on_rank0(fn: Callable[[], Any], is_main: bool, world: int) -> Any:
 
 
 def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: bool,
-                    world: int) -> tuple[RunDirLock | None, Path | None]:
+                    world: int, tokenizer: tuple[Path, str]
+                    ) -> tuple[RunDirLock | None, Path | None]:
     """Rank 0: create and lock run_dir, check it and ckpt_dir are writable, list the
-    checkpoints to resume from; then every rank verifies its share of their files (all
-    ranks call this) and all get the same choice, or the same error."""
+    checkpoints to resume from, keep a copy of the `tokenizer` (path, sha256) the run trains
+    with; then every rank verifies its share of the checkpoints' files (all ranks call this)
+    and all get the same choice, or the same error."""
     lock = RunDirLock(run_dir) if is_main else None
 
     def prepare() -> list[str]:
@@ -173,7 +175,9 @@ def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: 
         lock.acquire()
         try:
             check_writable(ckpt_dir, "run.dir")
-            return _candidates(ckpt_dir, resume)
+            candidates = _candidates(ckpt_dir, resume)
+            _keep_tokenizer(run_dir, *tokenizer, fresh=not candidates)
+            return candidates
         except BaseException:
             lock.release()
             raise
@@ -187,6 +191,24 @@ def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: 
             lock.release()
         raise
     return lock, path
+
+
+def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None:
+    """Copy the run's tokenizer into run_dir, for `load_model` and `generate`. A fresh run
+    replaces any copy there; a resumed one keeps its own (a different tokenizer is then
+    named by the checkpoint's fingerprint check) and gains one if it had none."""
+    from data_pipeline import DataError
+    from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file
+
+    if not fresh and find_tokenizer_file(run_dir) is not None:
+        return
+    try:
+        copy_tokenizer(path, run_dir, sha256, replace=fresh)
+    except DataError as err:
+        raise ConfigError("data.path", str(err)) from None
+    except OSError as err:
+        raise ConfigError("run.dir", f"cannot copy the tokenizer {path} into {run_dir}: "
+                          f"{err.strerror or err}") from None
 
 
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:

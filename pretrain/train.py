@@ -97,7 +97,8 @@ class Trainer:
         self.run_dir = resolve_run_dir(cfg, layout)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.lock, self.resume_from = prepare_run_dir(
-            self.run_dir, self.ckpt_dir, cfg.train.resume, layout.is_main, layout.world)
+            self.run_dir, self.ckpt_dir, cfg.train.resume, layout.is_main, layout.world,
+            tokenizer=(self.index.tokenizer_path, self.index.tokenizer_sha256))
 
         self.dtype = compute_dtype(cfg, layout.device)
         self.local_batch = cfg.train.batch_size // layout.dp

@@ -48,7 +48,7 @@ def test_round_trip_and_eos_at_document_boundaries(tmp_path):
         [write_jsonl(tmp_path / "corpus.jsonl", docs)], tmp_path / "ds", shard_mb=0.02
     )
     sp = load_tokenizer(index.tokenizer_path)
-    assert index.eos_id == sp.eos_id() and index.vocab_size == sp.get_piece_size()
+    assert index.eos_id == sp.eos_id and index.vocab_size == sp.vocab_size
     assert len(index.shards("train")) > 1  # packing continues across shard boundaries
 
     # The split is by document: a seeded choice of round(0.2 * D) documents for val.

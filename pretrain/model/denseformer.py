@@ -26,7 +26,14 @@ from torch import nn
 from parallel import groups
 from parallel.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.dwa import Combine, DWABuffers, StoreOutput, depth_weighted_average
+from pretrain.model.dwa import (
+    Combine,
+    DecodeDWAState,
+    DWABuffers,
+    PrefillDWAState,
+    StoreOutput,
+    depth_weighted_average,
+)
 from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init
@@ -166,6 +173,44 @@ class DenseFormer(nn.Module):
         if self.sequence_parallel:
             targets = targets.t().contiguous()
         return cross_entropy(logits, targets)
+
+    # -- inference with a KV cache (pretrain/generation.py drives it) ----------------------
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, cache, last_only: bool = True
+                       ) -> torch.Tensor:
+        """Logits (B, 1 or S, vocab_size) of `tokens` (B, S) that continue the sequences in
+        `cache` (pretrain/generation.py `InferenceCache`; its KV cache is extended here).
+
+        The DWAs read the new tokens' block outputs only: over several tokens (a prompt) each
+        X_j is dropped after its last reader (`PrefillDWAState`); one token per sequence (a
+        decoding step) uses the cache's fixed `DecodeDWAState`."""
+        pattern = self.dwa_pattern
+        x0 = self.embed(tokens)
+        if tokens.shape[1] > 1 or not pattern.slot:
+            dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in self._dwa_weights()})
+        else:
+            if cache.dwa_decode is None:
+                cache.dwa_decode = DecodeDWAState(pattern, dict(self._dwa_weights()), x0)
+            dwa = cache.dwa_decode
+        dwa.keep(0, x0)
+        y = x0
+        for i, block in enumerate(self.blocks, start=1):
+            x = block(y, cache.layers[i - 1])
+            dwa.keep(i, x)
+            y = dwa.combine(i) if pattern.has_dwa(i) else x
+        return self.head(y[:, -1:] if last_only else y)
+
+    def _dwa_weights(self):
+        """(i, alpha[i, j] for j in S_i) for every DWA, detached."""
+        for i, js in self.dwa_pattern.inputs.items():
+            yield i, self.dwa_alpha[i - 1, list(js)].detach()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, **options):
+        """Continue each prompt (token ids); see `pretrain.generation.generate`."""
+        from pretrain.generation import generate
+
+        return generate(self, prompts, max_new_tokens, **options)
 
     # -- analysis ------------------------------------------------------------------------
 

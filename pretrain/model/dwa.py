@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 import torch
 
+from pretrain.model.dwa_pattern import DWAPattern
+
 
 def _stream_precision(x: torch.Tensor):
     """No autocast inside a DWA: it mixes residual-stream tensors, kept in their own dtype
@@ -108,3 +110,71 @@ class DepthWeightedAverage(torch.autograd.Function):
 def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
     """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape)."""
     return DepthWeightedAverage.apply(weights, *xs)
+
+
+# -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------
+#
+# A DWA mixes block outputs of the same token, so a cached forward over new tokens needs only
+# those tokens' X_j, never past tokens' (their keys and values are in the KV cache).
+
+
+class PrefillDWAState:
+    """The X_j of a cached forward over many tokens (a prompt), each dropped as soon as the
+    last DWA that reads it (`DWAPattern.last_reader`) has run, so that no block output is
+    kept longer than the pattern needs. `weights[i]`: alpha[i, j] for j in S_i, as floats."""
+
+    def __init__(self, pattern: DWAPattern, weights: Mapping[int, list[float]]):
+        self.pattern, self.weights = pattern, weights
+        self.kept: dict[int, torch.Tensor] = {}
+        self.peak = 0  # the most X_j held at once, for tests
+
+    def keep(self, j: int, x: torch.Tensor) -> None:
+        if j in self.pattern.slot:
+            self.kept[j] = x
+            self.peak = max(self.peak, len(self.kept))
+
+    def combine(self, i: int) -> torch.Tensor:
+        """Y_i, summed in place into a new tensor (no stacked copy of the X_j)."""
+        js = self.pattern.inputs[i]
+        with _stream_precision(self.kept[js[0]]):
+            y = self.kept[js[0]] * self.weights[i][0]
+            for j, w in zip(js[1:], self.weights[i][1:], strict=True):
+                y.add_(self.kept[j], alpha=w)
+        for j in js:
+            if self.pattern.last_reader[j] == i:
+                del self.kept[j]
+        return y
+
+
+class DecodeDWAState:
+    """The DWA state of one decoding step: per residue class a buffer (n_r, B, 1, H) of the
+    current tokens' X_j that later DWAs of the step read, in `DWAPattern.slot` order, written
+    again every step; so it holds exactly `len(pattern.stored)` tensors of one token per
+    sequence. `weights[i]`: alpha[i, j] for j in S_i as a tensor, made once."""
+
+    def __init__(self, pattern: DWAPattern, weights: Mapping[int, torch.Tensor],
+                 like: torch.Tensor):
+        self.pattern = pattern
+        self.values = {r: like.new_empty((n, *like.shape)) for r, n in pattern.class_sizes.items()}
+        self.weights = {i: w.to(like.dtype) for i, w in weights.items()}
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(v.shape[0] for v in self.values.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.values.values())
+
+    def keep(self, j: int, x: torch.Tensor) -> None:
+        slot = self.pattern.slot.get(j)
+        if slot is not None:
+            self.values[slot[0]][slot[1]].copy_(x)
+
+    def combine(self, i: int) -> torch.Tensor:
+        """Y_i: one matrix-vector product over the slice of its class."""
+        r, start, stop = self.pattern.reads[i]
+        values = self.values[r][start:stop]
+        with _stream_precision(values):
+            return torch.mv(values.reshape(stop - start, -1).t(), self.weights[i]).view(
+                values.shape[1:])

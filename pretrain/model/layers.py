@@ -40,6 +40,13 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat([-x2, x1], dim=-1)
         return x * self.cos[:s].to(x.dtype) + rotated * self.sin[:s].to(x.dtype)
 
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (B, heads, S, head_dim) whose tokens sit at `positions` (B, S)."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (B, 1, S, head_dim)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
 
 class Attention(nn.Module):
     """Causal self-attention. Activations are (B, S, H), or (S, B, H) under sequence
@@ -61,7 +68,11 @@ class Attention(nn.Module):
                                       bias=False, input_is_parallel=True, skip_bias_add=False,
                                       tp_group=tp_group)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, kv=None) -> torch.Tensor:
+        """`kv`: this block's view of a KV cache (pretrain/generation.py `LayerKVCache`) for
+        a cached inference step; None (training, full forward) attends causally within x."""
+        if kv is not None:
+            return self._cached(x, rope, kv)
         qkv, _ = self.qkv(x)  # under SP: gathered to the full sequence first
         if self.seq_first:
             s, b, _ = qkv.shape
@@ -77,6 +88,22 @@ class Attention(nn.Module):
             out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         else:
             out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
+        return self.proj(out)[0]
+
+    def _cached(self, x: torch.Tensor, rope: RotaryEmbedding, kv) -> torch.Tensor:
+        """Attention of the new tokens x (B, S, H) to every cached token and themselves:
+        their keys and values are appended to `kv`; RoPE at `kv.positions`, and `kv.mask`
+        (or plain causality) says which cached slots each new token sees."""
+        if self.seq_first:
+            raise ValueError("cached attention needs a model without sequence parallelism")
+        qkv, _ = self.qkv(x)
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k = rope.at(qkv[0], kv.positions), rope.at(qkv[1], kv.positions)
+        keys, values = kv.append(k, qkv[2])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask,
+                                             is_causal=kv.is_causal)
+        out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
 
 
@@ -114,9 +141,10 @@ class Block(nn.Module):
         else:
             self.skip_gain_attn = self.skip_gain_mlp = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
+        """X_i from Y_{i-1}; `kv` (inference only): this block's KV cache, see Attention."""
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
-        attn = self.attn(self.norm_attn(x), self.rope)
+        attn = self.attn(self.norm_attn(x), self.rope, kv)
         with tp_rank_rng(self.tp_group, enabled=self.training and self.dropout.p > 0):
             h = skip + self.dropout(attn)
         skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp

@@ -1,0 +1,132 @@
+"""`python -m pretrain generate`: continue text prompts with a trained model.
+
+    python -m pretrain generate --run runs/tiny --prompt "def main(" --max-new-tokens 40
+    python -m pretrain generate --checkpoint exported/ --prompts prompts.jsonl --json
+
+`--prompts` is JSONL, one {"prompt": TEXT} per line. `--json` prints one object per prompt:
+{"prompt", "completion", "tokens" (the new ids), "finish_reason" ("eos" or "length")}. Under
+torchrun the ranks form one tensor-parallel group and rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from data_pipeline import DataError
+from pretrain.config import ConfigError
+
+
+def add_parser(subparsers) -> None:
+    """The `generate` subcommand and its options."""
+    gen = subparsers.add_parser("generate", help="continue text prompts with a trained model")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run directory (its newest complete checkpoint)")
+    where.add_argument("--checkpoint", help="a checkpoint or an exported directory")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one prompt text")
+    what.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt": TEXT} per line')
+    gen.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                     help="new tokens per prompt (default: up to the model's context)")
+    gen.add_argument("--temperature", type=float, default=1.0, metavar="T")
+    gen.add_argument("--top-k", type=int, default=None, metavar="K",
+                     help="sample among the K most likely ids")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="sample among the most likely ids holding probability P")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed")
+    gen.add_argument("--greedy", action="store_true", help="the most likely id, no sampling")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="full forward every step (the reference for the KV cache)")
+    gen.add_argument("--batch-size", type=int, default=8, metavar="B",
+                     help="prompts generated together (default 8)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompt texts; an empty one or a bad file raises naming it."""
+    if args.prompt is not None:
+        if not args.prompt:
+            raise ConfigError("--prompt", "is empty: give some text to continue")
+        return [args.prompt]
+    path = Path(args.prompts)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: cannot read the prompt file ({error})") from error
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise DataError(f"{path}:{number}: not JSONL ({error})") from error
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise DataError(f'{path}:{number}: expected {{"prompt": TEXT}}, got {line[:80]}')
+        if not record["prompt"]:
+            raise DataError(f"{path}:{number}: the prompt is empty")
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise DataError(f"{path}: holds no prompt")
+    return prompts
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse bad sampling options before the model is loaded."""
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size", f"must be >= 1, got {args.batch_size}")
+    if args.greedy:
+        return
+    if not args.temperature > 0:
+        raise ConfigError("--temperature", f"must be > 0 (or use --greedy), got "
+                          f"{args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError("--top-k", f"must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError("--top-p", f"must be in (0, 1], got {args.top_p}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Load the model, generate for every prompt, print (rank 0); the exit status."""
+    from parallel import groups
+    from pretrain.generation import context_budgets, prompt_ids
+    from pretrain.load import load_model
+
+    _check_options(args)
+    texts = read_prompts(args)
+    try:
+        model, tokenizer = load_model(args.run or args.checkpoint)
+        ids = [prompt_ids(tokenizer, text) for text in texts]
+        try:
+            context_budgets([len(p) for p in ids], model.config.seq_len, args.max_new_tokens)
+        except ValueError as error:
+            key = "--max-new-tokens" if "max_new_tokens" in str(error) else "--prompt"
+            raise ConfigError(key, str(error).replace("max_new_tokens", "--max-new-tokens")) \
+                from None
+        printing = os.environ.get("RANK", "0") == "0"
+        for first in range(0, len(ids), args.batch_size):
+            batch = ids[first:first + args.batch_size]
+            completions = model.generate(
+                batch, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
+            if printing:
+                for number, completion in enumerate(completions, start=first):
+                    _print(texts[number], tokenizer.decode(completion.tokens), completion,
+                           number, args.json)
+    finally:
+        groups.destroy()
+    return 0
+
+
+def _print(prompt: str, text: str, completion, number: int, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"prompt": prompt, "completion": text, "tokens": completion.tokens,
+                          "finish_reason": completion.finish_reason}), flush=True)
+    else:
+        print(f"=== prompt {number + 1} ({completion.finish_reason}, "
+              f"{len(completion.tokens)} new tokens)\n{prompt}{text}", flush=True)
