@@ -1,4 +1,5 @@
-"""`python -m pretrain {train,config,eval,checkpoint}`: the command-line entry points."""
+"""`python -m pretrain {train,config,eval,checkpoint,generate,lm-eval,analyze}`: the
+command-line entry points."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain import generate_cli
+from pretrain import analyze, generate_cli, lm_eval_cli
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("path", help="the format-1 checkpoint directory")
     convert.add_argument("--out", required=True, help="the new checkpoint directory")
     generate_cli.add_parser(sub)
+    lm_eval_cli.add_parser(sub)
+    analyze.add_parser(sub)
     return parser
 
 
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
-               "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate}[args.command]
+               "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate,
+               "lm-eval": lm_eval_cli.cmd_lm_eval, "analyze": analyze.cmd_analyze}[args.command]
     try:
         status = command(args)
     except (ConfigError, DataError, CheckpointError) as err:

@@ -118,6 +118,9 @@ class TrainSection:
     # The global batch in sequences, whatever the layout.
     batch_size: int = ranged(8, ge=1, also="a multiple of dp x parallel.microbatches")
     resume: str | None = None  # None, "auto" (latest checkpoint of run.dir) or a checkpoint path
+    # A checkpoint or run directory whose model weights start a new run (fresh optimizer,
+    # step 0; pretrain/init_from.py); ignored by a run that resumes from its own checkpoint.
+    init_from: str | None = None
     # Stop (checkpoint and exit) after this step; the schedule uses steps.
     stop_at: int | None = ranged(None, ge=1, also="<= train.steps")
     eval_every: int = ranged(0, ge=0)  # 0: validate only at the end (when data.val_batches > 0)
@@ -196,8 +199,8 @@ SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 # Keys that may legitimately change when a run is resumed; left out of the MLflow params.
-RUN_CONTROL_KEYS = ("run.dir", "train.resume", "train.stop_at", "data.num_workers",
-                    "tracking.*", "checkpoint.*")
+RUN_CONTROL_KEYS = ("run.dir", "train.resume", "train.init_from", "train.stop_at",
+                    "data.num_workers", "tracking.*", "checkpoint.*")
 
 
 # ---------------------------------------------------------------------------------------------

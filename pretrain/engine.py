@@ -66,10 +66,12 @@ class AdamWUpdate:
 
         return sharded_checkpoint.local_state(self.model, self.optimizer)
 
-    def load_sharded(self, path: Path, manifest: dict) -> None:
+    def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
+                     fill: dict | None = None) -> None:
         from pretrain import sharded_checkpoint
 
-        sharded_checkpoint.load_local(path, manifest, self.model, self.optimizer)
+        sharded_checkpoint.load_local(path, manifest, self.model,
+                                      None if weights_only else self.optimizer, fill)
 
 
 class ZeroUpdate:
@@ -102,13 +104,18 @@ class ZeroUpdate:
         return sharded_checkpoint.full_state(self.zero.full_model_state(),
                                              self.zero.full_optimizer_state())
 
-    def load_sharded(self, path: Path, manifest: dict) -> None:
+    def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
+                     fill: dict | None = None) -> None:
         from pretrain import sharded_checkpoint
 
         names = [name for name, _ in self.zero.model.named_parameters()]
+        held = sharded_checkpoint.tensor_entries(sharded_checkpoint.read_metadata(path, manifest))
+        filled = {name: value for name, value in (fill or {}).items() if name in names
+                  and sharded_checkpoint.model_key(name) not in held}
         model_state, optimizer_state = sharded_checkpoint.read_full(
-            path, manifest, names, no_dist=not torch.distributed.is_initialized())
-        self.zero.load_full_state(model_state, optimizer_state)
+            path, manifest, [name for name in names if name not in filled],
+            optimizer=not weights_only, no_dist=not torch.distributed.is_initialized())
+        self.zero.load_full_state({**model_state, **filled}, optimizer_state)
 
 
 class LocalForward:
@@ -186,6 +193,12 @@ class Engine:
         """Read this rank's part of the checkpoint at `path`, written by any engine at any
         layout (collective: every rank calls it)."""
         self.update_rule.load_sharded(path, manifest)
+
+    def load_weights(self, path: Path, manifest: dict, fill: dict | None = None) -> None:
+        """Read only the model weights of the checkpoint at `path` (any engine, any layout;
+        collective); the optimizer stays fresh. `fill`: full values of the parameters the
+        checkpoint lacks, by name."""
+        self.update_rule.load_sharded(path, manifest, weights_only=True, fill=fill)
 
     def describe(self) -> list[str]:
         return self.forward.describe()

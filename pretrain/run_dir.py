@@ -113,7 +113,7 @@ def _candidates(ckpt_dir: Path, resume: str | None) -> list[str]:
     return [str(path) for _, path in reversed(found)]
 
 
-def _first_intact(candidates: list[str], resume: str | None, ckpt_dir: Path, rank: int,
+def first_intact(candidates: list[str], resume: str | None, ckpt_dir: Path, rank: int,
                   world: int) -> Path | None:
     """The first candidate whose files all have their sizes and sha256: every rank hashes
     its share of the files (`checkpoint.verify_share`) and all agree on the verdict."""
@@ -184,7 +184,7 @@ def prepare_run_dir(run_dir: Path, ckpt_dir: Path, resume: str | None, is_main: 
 
     candidates = agreed_on_rank0(prepare, is_main, world)
     try:
-        path = _first_intact(candidates, resume, ckpt_dir, dist.get_rank() if world > 1
+        path = first_intact(candidates, resume, ckpt_dir, dist.get_rank() if world > 1
                              else 0, world)
     except BaseException:
         if lock is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -165,20 +166,30 @@ def _empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key
 
 
 def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
-               optimizer: torch.optim.Optimizer) -> None:
+               optimizer: torch.optim.Optimizer | None,
+               fill: Mapping[str, torch.Tensor] | None = None) -> None:
     """Read this rank's slices of its parameters and AdamW state (collective over all ranks:
-    every rank calls it); CheckpointError naming a missing or misshapen tensor."""
+    every rank calls it); CheckpointError naming a missing or misshapen tensor. Without an
+    `optimizer`, the weights alone; `fill`: full values of parameters the checkpoint may
+    lack (a Transformer's checkpoint has no `dwa_alpha`)."""
+    from pretrain.model.init import local_shard
 
     entries = tensor_entries(read_metadata(checkpoint, manifest))
     mesh = _tp_mesh(model)
     params = dict(model.named_parameters())
+    fill = {name: value for name, value in (fill or {}).items()
+            if name in params and model_key(name) not in entries}
     target, optim_keys, problem = {}, {}, None
     try:
         for name, param in params.items():
             key = model_key(name)
+            if name in fill:
+                continue
             if key not in entries:
                 raise CheckpointError(f"{checkpoint}: holds no parameter {name!r}")
             target[key] = _empty_like_global(param, entries[key], mesh, key, checkpoint)
+            if optimizer is None:
+                continue
             prefix = optim_key(name, "")
             for saved, md in entries.items():
                 if not saved.startswith(prefix) or "." in saved[len(prefix):]:
@@ -198,8 +209,13 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
     if problem is not None:
         raise CheckpointError(problem)
     _load(checkpoint, target, no_dist=not dist.is_initialized())
+    tp_rank = mesh.get_local_rank() if mesh is not None else 0
     with torch.no_grad():
         for name, param in params.items():
+            if name in fill:
+                param.copy_(local_shard(fill[name], param, tp_rank, mesh.size() if mesh
+                                        is not None else 1))
+                continue
             param.copy_(_local(target[model_key(name)]))
             if name in optim_keys:
                 optimizer.state[param] = {

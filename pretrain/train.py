@@ -112,10 +112,16 @@ class Trainer:
         self.saved_step: int | None = None  # step of the newest checkpoint this run wrote
         self.skip_streak = 0  # consecutive skipped steps (train.on_nan=skip)
         self.protected_checkpoint: Path | None = None  # kept from pruning during a streak
+        self.origin: dict[str, str] = {}  # MLflow tags naming train.init_from's checkpoint
         if self.resume_from is not None:
             # The ranks hashed its files between them when choosing it (pretrain/run_dir.py).
             self._load(self.resume_from)
             self.saved_step = self.step
+        elif cfg.train.init_from is not None:
+            from pretrain.init_from import init_from
+
+            self.origin = init_from(self.engine, cfg.train.init_from, self.model_cfg,
+                                    self.fingerprint, layout.rank, layout.world)
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -253,7 +259,8 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
 
     agreed_on_rank0(open_tracker, main, layout.world)
     trainer.mlflow_run_id = tracker.run_id
-    tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at)})
+    tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at),
+                      **trainer.origin})
     if main:
         tracker.log_artifact(run_dir / "config.yaml")
 
@@ -268,7 +275,10 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         f", {trainer.model.num_params() / 1e6:.2f}M parameters; layout {layout.name}; "
         f"device {layout.device}, {trainer.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s"
         + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
-           if trainer.resume_from else "")))
+           if trainer.resume_from else "")
+        + (f"\nweights from {trainer.origin['init_from']} (step "
+           f"{trainer.origin['init_from_step']}); fresh optimizer, step 0"
+           if trainer.origin else "")))
     _print_main(layout, *trainer.engine.describe())
     if trainer.step >= stop_at:
         _print_main(layout, (
@@ -305,7 +315,10 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                 # The checkpoint first: nothing that validation does can lose this step.
                 every = cfg.checkpoint.every
                 if (every and step % every == 0) or step == stop_at:
-                    _print_main(layout, f"checkpoint: {trainer.save()}")
+                    path = trainer.save()
+                    _print_main(layout, f"checkpoint: {path}")
+                    if main:
+                        _plot_dwa(trainer, path, tracker)
                 if cfg.data.val_batches and ((cfg.train.eval_every
                                               and step % cfg.train.eval_every == 0)
                                              or step == cfg.train.steps):
@@ -351,6 +364,21 @@ def _last_good(trainer: Trainer) -> Path | None:
     from pretrain import checkpoint
 
     return trainer.protected_checkpoint or checkpoint.latest_checkpoint(trainer.ckpt_dir)
+
+
+def _plot_dwa(trainer: Trainer, path: Path, tracker) -> None:
+    """Rank 0: the DWA heatmap of checkpoint `path` into run_dir/dwa/ and MLflow's dwa/
+    (pretrain/analyze.py). A failure to draw is a warning: the checkpoint is what matters."""
+    from pretrain.analyze import write_checkpoint_heatmap
+
+    try:
+        png = write_checkpoint_heatmap(path, trainer.model_cfg.dwa_pattern,
+                                       trainer.run_dir / "dwa")
+    except Exception as err:  # noqa: BLE001 (matplotlib, a full disk: training goes on)
+        write_line(f"warning: no DWA heatmap for {path}: {type(err).__name__}: {err}")
+        return
+    if png is not None:
+        tracker.log_artifact(png, "dwa")
 
 
 def _checkpoint_of_this_step(trainer: Trainer) -> Path:

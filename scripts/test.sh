@@ -7,4 +7,4 @@ bash scripts/setup.sh
 # DeepSpeed JIT-builds a small CPU op with gcc the first time (~50 s): once, into
 # .torch_extensions, instead of in every test that starts an engine.
 .venv/bin/python -m parallel.zero --build-ops >/dev/null
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -14,6 +14,7 @@ import torch
 from pretrain.generation import FINISH_EOS, FINISH_LENGTH, KVCache, context_budgets
 from tests.conftest import ROOT, cli_env
 from tests.distributed import run_distributed_test
+from tests.test_train import run, train_cmd
 
 SHAPES = {
     "transformer": dict(n_layers=3, dwa=False),
@@ -185,14 +186,8 @@ def test_stops_at_eos_or_the_context():
 @pytest.fixture(scope="module")
 def trained_run(tiny_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"
-    sets = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
-            "train.batch_size=8", "train.steps=2", "optim.warmup_steps=1",
-            "data.val_batches=0", "checkpoint.every=2", "tracking.enabled=false",
-            f"data.path={tiny_data}", f"run.dir={run_dir}"]
-    cmd = [sys.executable, "-m", "pretrain", "train", "--config",
-           str(ROOT / "configs/tiny.yaml"), *[a for s in sets for a in ("--set", s)]]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=cli_env(),
-                          cwd=ROOT)
+    done = run(train_cmd(tiny_data, run_dir, "train.steps=2", "optim.warmup_steps=1",
+                         "data.val_batches=0", "checkpoint.every=2", "tracking.enabled=false"))
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
