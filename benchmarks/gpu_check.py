@@ -51,7 +51,9 @@ from gpu_check_tests import section_tests  # noqa: E402
 
 SECTIONS = ("speed", "memory", "compile", "tests")
 # Top-level modules the bare GPU machine has (its packages and what they pull in), those
-# scripts/gpu_wheels.sh brings, and those only tried behind a guard (megatron: einops).
+# scripts/gpu_wheels.sh brings, and those only tried behind a guard, imported where they are
+# installed and skipped where not (megatron: einops; torch: dill, and colorama in inductor;
+# lm-eval, the `eval` extra, installs the last two here).
 DEVICE_MODULES = {
     "torch", "torchgen", "functorch", "triton", "nvidia", "numpy", "yaml", "tqdm", "safetensors",
     "sentencepiece", "scipy", "matplotlib", "mpl_toolkits", "PIL", "kiwisolver", "cycler",
@@ -61,7 +63,7 @@ DEVICE_MODULES = {
     "typing_extensions", "setuptools", "pkg_resources", "jaraco", "more_itertools",
     "backports", "packaging", "pytest", "py", "pluggy", "iniconfig", "pygments", "cython_runtime"}
 WHEEL_MODULES = {"megatron", "wids", "webdataset", "braceexpand", "pytest_timeout"}
-GUARDED_MODULES = {"einops"}
+GUARDED_MODULES = {"einops", "dill", "colorama"}
 OWN_MODULES = {"pretrain", "parallel", "data_pipeline", "slurm", "tests", "gpu_check_perf",
                "gpu_check_tests", "sitecustomize", "usercustomize"}  # and Python's site hooks
 # What must never be imported on these paths: neither is on the GPU machine.

@@ -135,11 +135,12 @@ def load_tokenizer(path: str | Path, expected_sha256: str | None = None) -> Toke
             raise DataError(f"{index_path}: cannot find the tokenizer entry ({error})") from error
     if not path.is_file():
         raise DataError(f"{path}: tokenizer model file does not exist")
-    loaded = BACKENDS.get(path.name, SentencePieceTokenizer)(path)
-    if expected_sha256 is not None and loaded.sha256 != expected_sha256:
-        raise DataError(f"{path}: sha256 {loaded.sha256} differs from the expected "
-                        f"{expected_sha256}")
-    return loaded
+    if expected_sha256 is not None:  # before parsing: a changed file is named as such
+        actual = sha256_file(path)
+        if actual != expected_sha256:
+            raise DataError(f"{path}: sha256 {actual} differs from the expected "
+                            f"{expected_sha256}")
+    return BACKENDS.get(path.name, SentencePieceTokenizer)(path)
 
 
 def copy_tokenizer(source: str | Path, directory: str | Path,

@@ -127,6 +127,7 @@ def test_stopped_rank_ends_the_job_through_a_tensor_parallel_collective(tiny_dat
     assert "layout tp2-pp1-dp1" in log, log[-3000:]
 
 
+@pytest.mark.slow  # the pipeline receive's timeout: also the unit test below, in the default suite
 @pytest.mark.timeout(360)
 def test_stopped_rank_ends_the_job_through_a_pipeline_send(tiny_data, tmp_path):
     # The last stage stops. With 16 micro-batches the first stage spends most of a step in

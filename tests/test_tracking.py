@@ -223,7 +223,10 @@ def unreachable(kind: str) -> Iterator[str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["closed-port", "never-answers"])
+@pytest.mark.parametrize("kind", [
+    "closed-port",
+    # Slow: a server that never answers is also the CLI test below, in the default suite.
+    pytest.param("never-answers", marks=pytest.mark.slow)])
 def test_unreachable_server_is_a_config_error_within_30s(tmp_path, kind, caplog):
     with unreachable(kind) as uri:
         cfg = load_config(None, [f"tracking.uri={uri}"])
