@@ -70,7 +70,7 @@ def build(cfg, device: torch.device):
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
 
-    model = DenseFormer(cfg.model.build_config(), seed=cfg.train.seed).to(device)
+    model = DenseFormer(cfg.model, seed=cfg.train.seed).to(device)
     return model, build_optimizer(model, cfg.optim)
 
 
@@ -160,7 +160,7 @@ def section_speed(device: torch.device, shapes: Shapes, models: dict) -> dict:
         cfg = models[name][0]
         med = statistics.median(times)
         tokens = shapes.batch * cfg.model.seq_len
-        flops = cfg.model.build_config().flops_per_token() * tokens / med
+        flops = cfg.model.flops_per_token() * tokens / med
         variants[name] = {
             "median_step_s": med, "min_step_s": min(times), "max_step_s": max(times),
             "steps": len(times), "tokens_per_s": tokens / med, "model_tflops": flops / 1e12,

@@ -269,7 +269,7 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
     model config, built from cfg.model when not given)."""
     p = cfg.parallel
     if model is None:
-        model = cfg.model.build_config()  # ConfigError naming model.vocab_size if it is null
+        model = cfg.model  # its padded_vocab_size raises naming model.vocab_size if it is null
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
     dtype = cfg.train.dtype

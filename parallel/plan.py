@@ -218,7 +218,7 @@ def load_run(args: argparse.Namespace, *overrides: str):
     if vocab is None:
         raise ConfigError("model.vocab_size", "is null and data.path has no index.json: set it "
                           "(--set model.vocab_size=N)")
-    return cfg, cfg.model.build_config(vocab)
+    return cfg, cfg.model.with_vocab(vocab)
 
 
 def _vocab_from_data(path) -> int | None:

@@ -1,7 +1,7 @@
 """The pipeline schedule a layout runs, and whether its micro-batch count fits it.
 
-Torch-free and import-free, so config validation (pretrain/config.py) can check a layout
-without loading the pipeline planner.
+Torch-free and import-free, so config validation (pretrain/config/validation.py) can check a
+layout without loading the pipeline planner.
 """
 
 from __future__ import annotations

@@ -62,23 +62,28 @@ def _inspect(path: Path, manifest: dict, verified: bool) -> int:
 def _export(path: Path, manifest: dict, out: Path) -> int:
     from safetensors.torch import save_file
 
-    from data_pipeline.index import read_index
+    from data_pipeline.tokenizer import copy_tokenizer
     from pretrain.config import save_config
+    from pretrain.load import run_tokenizer
 
     checkpoint.require_current_format(path, manifest)
     cfg = _run_config(path)
-    index = read_index(cfg.data.path, check_files=False)
+    tokenizer = run_tokenizer(path.resolve().parent.parent, cfg)  # the run's copy, or the data's
     meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    trained_with = meta.get("fingerprint", {}).get("tokenizer_sha256", tokenizer.sha256)
+    if trained_with != tokenizer.sha256:
+        raise checkpoint.CheckpointError(
+            f"{path} was trained with the tokenizer of sha256 {trained_with}, but "
+            f"{tokenizer.path} has {tokenizer.sha256}")
     model_state, _ = sharded_checkpoint.read_full(path, manifest, optimizer=False)
     out.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous() for name, t in model_state.items()},
               out / "model.safetensors", metadata={"step": str(meta["step"])})
-    save_config(dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, vocab_size=index.vocab_size)), out / "config.yaml")
-    shutil.copy2(index.tokenizer_path, out / index.tokenizer_path.name)
+    save_config(dataclasses.replace(cfg, model=cfg.model.with_vocab(tokenizer.vocab_size)),
+                out / "config.yaml")
+    copied = copy_tokenizer(tokenizer.path, out, tokenizer.sha256, replace=True)
     print(f"exported step {meta['step']} of {path}: {out / 'model.safetensors'} "
-          f"({len(model_state)} tensors), {out / 'config.yaml'}, "
-          f"{out / index.tokenizer_path.name}")
+          f"({len(model_state)} tensors), {out / 'config.yaml'}, {copied}")
     return 0
 
 

@@ -84,7 +84,7 @@ def cmd_config(args) -> int:
     if vocab is None:
         print("# parameters: unknown until model.vocab_size is set or data.path is prepared")
         return 0
-    model = cfg.model.build_config(vocab)
+    model = cfg.model.with_vocab(vocab)
     print(f"# parameters: {model.num_params():,} ({model.num_params(non_embedding=True):,} "
           f"non-embedding); training FLOPs per token: {model.flops_per_token():.4g}")
     return 0
@@ -113,7 +113,7 @@ def cmd_eval(args) -> int:
     state = sharded_checkpoint.read_checkpoint(path, optimizer=False)
     with distributed_session():
         groups.ensure_initialized()
-        model = DenseFormer(cfg.model.build_config(cfg.model.vocab_size))
+        model = DenseFormer(cfg.model)
         load_full_model_state(model, state["model"])
         device = groups.default_device()
         model.to(device)
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipeline import DataError
     from pretrain.checkpoint import CheckpointError
     from pretrain.config import ConfigError
+    from pretrain.model.config import ModelConfigError
 
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                "lm-eval": lm_eval_cli.cmd_lm_eval, "analyze": analyze.cmd_analyze}[args.command]
     try:
         status = command(args)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except (ConfigError, ModelConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         status = EXIT_USAGE
     if status in _STATUS_MEANING and os.environ.get("RANK", "0") == "0":

@@ -28,7 +28,7 @@ CONFIG_FILE = "config.yaml"
 
 def model_config(cfg: Config, vocab_size: int) -> DenseFormerConfig:
     """The model shape of a loaded run config, its vocabulary filled in."""
-    return cfg.model.build_config(vocab_size)
+    return cfg.model.with_vocab(vocab_size)
 
 
 def load_model(path: str | Path, device: str | torch.device | None = None
@@ -115,13 +115,13 @@ def _read_native(path: Path, run_dir: Path) -> tuple[Config, dict, dict, Tokeniz
     from pretrain import sharded_checkpoint
 
     cfg = _config(run_dir / CONFIG_FILE, [f"run.dir={run_dir}"])
-    tokenizer = _run_tokenizer(run_dir, cfg)
+    tokenizer = run_tokenizer(run_dir, cfg)
     loaded = sharded_checkpoint.read_checkpoint(path, optimizer=False)
     return cfg, loaded["model"], loaded["meta"], tokenizer
 
 
-def _run_tokenizer(run_dir: Path, cfg: Config) -> Tokenizer:
-    """The run directory's copy of its tokenizer, else its data index's."""
+def run_tokenizer(run_dir: Path, cfg: Config) -> Tokenizer:
+    """The run directory's copy of its tokenizer, else its data index's (sha256 checked)."""
     from data_pipeline import DataError
     from data_pipeline.index import read_index
 

@@ -88,10 +88,9 @@ class Trainer:
                               f"{cfg.train.batch_size}: prepare it with --val-fraction > 0, "
                               "or set data.val_batches=0 to train without validation")
         # The vocabulary comes from the data: a resolved copy of the config, not a mutation.
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, vocab_size=self.index.vocab_size))
+        cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(self.index.vocab_size))
         self.cfg = cfg
-        self.model_cfg = cfg.model.build_config()
+        self.model_cfg = cfg.model
         self.fingerprint = fingerprint(config_to_dict(cfg)["model"],
                                        self.index.tokenizer_sha256, cfg.train.seed)
         self.run_dir = resolve_run_dir(cfg, layout)

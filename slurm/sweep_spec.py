@@ -299,7 +299,7 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                 layers.append(("lr", {"optim.lr": lr}))
             cfg = _resolve_config(base, layers, list(cli_overrides), f"{arch.name} {shape}")
             vocab = cfg.model.vocab_size or _data_vocab(cfg.data.path)
-            model = cfg.model.build_config(vocab or cfg.model.vocab_pad_multiple)
+            model = cfg.model.with_vocab(vocab or cfg.model.vocab_pad_multiple)
             candidates.append((shape, cfg, model, vocab, model.num_params(non_embedding=True)))
         plan = []  # (candidate, target tokens)
         if tokens:

@@ -16,7 +16,6 @@ from pretrain.config import (
     SECTIONS,
     Config,
     ConfigError,
-    ModelSection,
     config_to_dict,
     flat_params,
     load_config,
@@ -38,6 +37,20 @@ def write(path: Path, data: dict | str) -> Path:
     return path
 
 
+def rejected(path: Path | None = None, overrides: list[str] = (),
+             world_size: int | None = None) -> ConfigError:
+    """The ConfigError that loading raises (the test fails if it loads)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides, world_size=world_size)
+    return err.value
+
+
+def assert_names(err: ConfigError, key: str, fragment: str = "") -> None:
+    """`err` names `key`, first in its message, and says `fragment`."""
+    assert err.key == key and str(err).startswith(f"{key}: "), str(err)
+    assert fragment in str(err), str(err)
+
+
 def test_defaults_load_and_validate():
     cfg = load_config(None)
     assert cfg == Config()
@@ -45,24 +58,42 @@ def test_defaults_load_and_validate():
     validate(cfg, world_size=1)
 
 
-def test_model_section_mirrors_denseformer_config():
-    model_fields = {f.name: f.default for f in dataclasses.fields(DenseFormerConfig)}
-    section_fields = {f.name: f.default for f in dataclasses.fields(ModelSection)}
-    assert section_fields.pop("vocab_size") is None
-    model_fields.pop("vocab_size")
-    assert section_fields == model_fields
+def test_model_section_is_the_model_config():
+    assert SECTIONS["model"] is DenseFormerConfig
+    assert isinstance(load_config(None).model, DenseFormerConfig)
 
 
-def test_build_config_fills_vocab_size():
+@pytest.mark.parametrize("needs_vocab", [
+    lambda m: m.padded_vocab_size, lambda m: m.num_params(), lambda m: m.flops_per_token()],
+    ids=["padded_vocab_size", "num_params", "flops_per_token"])
+def test_a_null_vocab_size_is_refused_where_it_is_needed(needs_vocab):
+    model = load_config(None).model
+    with pytest.raises(ModelConfigError) as err:
+        needs_vocab(model)
+    assert err.value.key == "vocab_size"
+    assert str(err.value).startswith("model.vocab_size: is null")
+    assert needs_vocab(model.with_vocab(300)) > 0
+
+
+def test_building_a_model_needs_the_vocab_size():
+    from pretrain.model import DenseFormer
+
+    with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: is null"):
+        DenseFormer(DenseFormerConfig(n_layers=1, d_model=8, n_heads=2, seq_len=4))
+
+
+def test_with_vocab_fills_a_null_vocab_size_in_a_copy():
     section = load_config(None, ["model.n_layers=3"]).model
-    with pytest.raises(ConfigError) as err:
-        section.build_config()
-    assert err.value.key == "model.vocab_size"
-    model = section.build_config(vocab_size=300)
-    assert isinstance(model, DenseFormerConfig)
+    model = section.with_vocab(300)
+    assert isinstance(model, DenseFormerConfig) and section.vocab_size is None
     assert (model.n_layers, model.vocab_size, model.padded_vocab_size) == (3, 300, 384)
-    # An explicit vocab_size in the config is used when none is passed.
-    assert load_config(None, ["model.vocab_size=77"]).model.build_config().vocab_size == 77
+    # A vocab_size the config names is kept; another one is refused.
+    named = load_config(None, ["model.vocab_size=77"]).model
+    assert named.with_vocab(77) == named
+    with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: is 77, .* 78 tokens"):
+        named.with_vocab(78)
+    with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: must be null or >= 1"):
+        section.with_vocab(0)
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -87,29 +118,12 @@ def test_override_for_a_string_key_keeps_the_text():
     assert cfg.tracking.uri == "http://h:5000"
 
 
-@pytest.mark.parametrize("override, key", [
+# (override, key): unknown keys, then wrong types; each must be named first in the error.
+BAD_OVERRIDES = [
     ("model.nlayers=3", "model.nlayers"),
     ("modle.n_layers=3", "modle.n_layers"),
     ("train=3", "train=3"),
     ("train.steps", "train.steps"),
-])
-def test_unknown_override_key(override, key):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
-    assert err.value.key == key and str(err.value).startswith(key)
-
-
-def test_unknown_yaml_key_and_section(tmp_path):
-    with pytest.raises(ConfigError, match=r"^optim\.learning_rate: unknown key") as err:
-        load_config(write(tmp_path / "a.yaml", {"optim": {"learning_rate": 1.0}}))
-    assert err.value.key == "optim.learning_rate"
-    with pytest.raises(ConfigError, match=r"^optimizer: unknown key; did you mean 'optim'"):
-        load_config(write(tmp_path / "b.yaml", {"optimizer": {"lr": 1.0}}))
-    with pytest.raises(ConfigError, match=r"^train: expected a mapping"):
-        load_config(write(tmp_path / "c.yaml", {"train": 5}))
-
-
-@pytest.mark.parametrize("override, key", [
     ("train.steps=ten", "train.steps"),
     ("train.steps=1.5", "train.steps"),
     ("train.steps=true", "train.steps"),      # a bool is not an int
@@ -123,23 +137,47 @@ def test_unknown_yaml_key_and_section(tmp_path):
     ("train.on_nan=ignore", "train.on_nan"),
     ("train.device=tpu", "train.device"),
     ("model.dwa_window=2.5", "model.dwa_window"),
-])
-def test_wrong_types(override, key):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
-    assert err.value.key == key
+]
 
 
-def test_wrong_type_in_yaml(tmp_path):
-    with pytest.raises(ConfigError, match=r"^model\.n_layers: expected int, got '4'"):
-        load_config(write(tmp_path / "a.yaml", "model:\n  n_layers: '4'\n"))
+@pytest.mark.parametrize("override, key", BAD_OVERRIDES)
+def test_bad_override(override, key):
+    assert_names(rejected(overrides=[override]), key)
+
+
+# (files written, key, message fragment); the first file is loaded.
+BAD_FILES = [
+    ({"a.yaml": {"optim": {"learning_rate": 1.0}}}, "optim.learning_rate", "unknown key"),
+    ({"b.yaml": {"optimizer": {"lr": 1.0}}}, "optimizer", "unknown key; did you mean 'optim'"),
+    ({"c.yaml": {"train": 5}}, "train", "expected a mapping"),
+    ({"d.yaml": "model:\n  n_layers: '4'\n"}, "model.n_layers", "expected int, got '4'"),
+    ({"e.yaml": "base: f.yaml\n", "f.yaml": "base: e.yaml\n"}, "base", "cycle"),
+]
+
+
+@pytest.mark.parametrize("files, key, fragment", BAD_FILES,
+                         ids=["unknown key", "unknown section", "section not a mapping",
+                              "wrong type", "base cycle"])
+def test_bad_yaml_file(tmp_path, files, key, fragment):
+    for name, data in files.items():
+        write(tmp_path / name, data)
+    assert_names(rejected(tmp_path / next(iter(files))), key, fragment)
 
 
 def test_validate_checks_types_of_a_programmatic_config():
     cfg = Config()
     cfg.train.steps = "10"
-    with pytest.raises(ConfigError, match=r"^train\.steps: expected int"):
+    with pytest.raises(ConfigError) as err:
         validate(cfg)
+    assert_names(err.value, "train.steps", "expected int")
+
+
+def test_a_model_error_names_the_model_key():
+    cfg = Config()
+    cfg.model.n_heads = 3  # set after the model config checked itself
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert_names(err.value, "model.n_heads", "3 heads do not divide d_model=64")
 
 
 # (overrides, world_size, key, message fragment); each case is one step off a valid config.
@@ -203,17 +241,14 @@ INVALID = [
     (["parallel.checkpoint_every=0"], None, "parallel.checkpoint_every", ">= 1, got 0"),
     (["model.n_layers=4", "parallel.checkpoint_every=5"], None, "parallel.checkpoint_every",
      "[1, model.n_layers=4]"),
-    (["train.resume=auto"], None, "train.resume", "set run.dir"),
+    (["train.resume=auto"], None, "train.resume", "run.dir is null (a new timestamped "
+     "directory every time): set run.dir"),
 ]
 
 
 @pytest.mark.parametrize("overrides, world_size, key, fragment", INVALID)
 def test_invalid_values(overrides, world_size, key, fragment):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, overrides, world_size=world_size)
-    assert err.value.key == key
-    assert str(err.value).startswith(f"{key}: ")
-    assert fragment in str(err.value)
+    assert_names(rejected(overrides=overrides, world_size=world_size), key, fragment)
 
 
 @pytest.mark.parametrize("overrides, world_size", [
@@ -233,8 +268,8 @@ def test_valid_boundaries(overrides, world_size):
 
 def test_world_checks_are_skipped_without_world_size():
     load_config(None, ["train.batch_size=12", "parallel.microbatches=2"])
-    with pytest.raises(ConfigError):
-        load_config(None, ["train.batch_size=12", "parallel.microbatches=2"], world_size=4)
+    assert_names(rejected(overrides=["train.batch_size=12", "parallel.microbatches=2"],
+                          world_size=4), "train.batch_size")
 
 
 def test_round_trip(tmp_path):
@@ -270,13 +305,6 @@ def test_base_file_is_merged(tmp_path):
     assert (cfg.model.n_layers, cfg.model.d_model, cfg.train.seed) == (5, 32, 4)
 
 
-def test_base_cycle_is_an_error(tmp_path):
-    write(tmp_path / "a.yaml", "base: b.yaml\n")
-    write(tmp_path / "b.yaml", "base: a.yaml\n")
-    with pytest.raises(ConfigError, match="cycle"):
-        load_config(tmp_path / "a.yaml")
-
-
 def test_layout_tag():
     assert load_config(None, ["parallel.tp=2", "parallel.pp=2"]).layout_tag(8) == "tp2-pp2-dp2"
 
@@ -284,7 +312,7 @@ def test_layout_tag():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO / "configs")))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    model = cfg.model.build_config(cfg.model.vocab_size or 1000)
+    model = cfg.model.with_vocab(cfg.model.vocab_size or 1000)
     assert model.n_layers >= 1
 
 
@@ -302,15 +330,15 @@ def test_paper_transformer_sizes(name, millions):
     cfg = load_config(REPO / "configs" / "paper" / f"{name}.yaml")
     assert cfg.model.vocab_size == 50304 and cfg.train.batch_size == 400
     assert cfg.effective_warmup_steps() == 2000  # 5% of 40k
-    n = cfg.model.build_config().num_params()
+    n = cfg.model.num_params()
     assert abs(n / 1e6 - millions) / millions < 1e-3
 
 
 @pytest.mark.parametrize("name, k, p, extra", [
     ("dense-48-1x1", 1, 1, 48 * 51 // 2), ("dense-48-4x5", 4, 5, 62)])
 def test_paper_denseformer_shapes(name, k, p, extra):
-    dense = load_config(REPO / "configs" / "paper" / f"{name}.yaml").model.build_config()
-    plain = load_config(REPO / "configs" / "paper" / "transformer-48.yaml").model.build_config()
+    dense = load_config(REPO / "configs" / "paper" / f"{name}.yaml").model
+    plain = load_config(REPO / "configs" / "paper" / "transformer-48.yaml").model
     assert (dense.dwa, dense.dwa_dilation, dense.dwa_period) == (True, k, p)
     assert dense.num_params() - plain.num_params() == extra
 
@@ -418,10 +446,8 @@ def test_ranges_doc_lists_every_numeric_key():
     assert len(table) == 2 + len(NUMERIC_KEYS)
 
 
-def test_resume_auto_needs_a_run_dir():
-    with pytest.raises(ConfigError, match=r"^train\.resume: .*run\.dir is null") as err:
-        load_config(None, ["train.resume=auto"])
-    assert err.value.key == "train.resume"
+def test_resume_auto_with_a_run_dir():
+    """train.resume=auto without run.dir is refused (INVALID); with one it loads."""
     assert load_config(None, ["train.resume=auto", "run.dir=/r"]).train.resume == "auto"
 
 

@@ -62,7 +62,7 @@ def measured_activations(cfg) -> int:
     from pretrain.model import DenseFormer
 
     p = cfg.parallel
-    model = DenseFormer(cfg.model.build_config(), seed=1,
+    model = DenseFormer(cfg.model, seed=1,
                         sequence_parallel=p.sequence_parallel)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
     gen = torch.Generator().manual_seed(0)
@@ -119,7 +119,7 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1) -> dict[str, 
 
     cfg = load_config(None, [*STATE, f"parallel.zero_stage={stage}", f"parallel.tp={tp}"],
                       world_size=world_size)
-    model = DenseFormer(cfg.model.build_config(), seed=0)
+    model = DenseFormer(cfg.model, seed=0)
     optimizer = build_optimizer(model, cfg.optim)
     zero = None
     handed_to_adamw: dict[int, int] = {}

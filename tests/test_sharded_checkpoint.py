@@ -205,7 +205,7 @@ def test_export_gives_the_live_models_logits(tiny_data, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors",
                                                      "tokenizer.model"]
     cfg = load_config(out / "config.yaml")
-    model = DenseFormer(cfg.model.build_config())
+    model = DenseFormer(cfg.model)
     load_full_model_state(model, load_file(out / "model.safetensors"))
     model.eval()
     with torch.no_grad():

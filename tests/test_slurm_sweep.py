@@ -138,7 +138,7 @@ def test_tiny_sweep_expands_with_n_d_c(tmp_path, tiny_data):
     for run in sweep.runs:
         cfg = run.config
         assert run.tokens == cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len == 5120
-        model = cfg.model.build_config(512)
+        model = cfg.model.with_vocab(512)
         assert run.n_params == model.num_params(non_embedding=True)
         assert run.compute == 6 * run.n_params * run.tokens
         assert cfg.tracking.experiment == "sweep-tiny-cpu"

@@ -53,7 +53,7 @@ def build(cfg):
     from pretrain.optim import build_optimizer
 
     p = cfg.parallel
-    model = DenseFormer(cfg.model.build_config(), seed=cfg.train.seed,
+    model = DenseFormer(cfg.model, seed=cfg.train.seed,
                         sequence_parallel=p.sequence_parallel)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
     return model, build_optimizer(model, cfg.optim)

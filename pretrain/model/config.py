@@ -94,7 +94,9 @@ class DenseFormerConfig:
     n_layers: int = ranged(4, ge=1)
     d_model: int = ranged(64, ge=1)
     n_heads: int = ranged(4, ge=1, also="divides d_model into an even head size")
-    vocab_size: int = ranged(256, ge=1)
+    # None: not known yet (a run config takes it from the data's tokenizer, with_vocab);
+    # what needs the vocabulary (padded_vocab_size, num_params, the model) refuses it.
+    vocab_size: int | None = ranged(None, ge=1)
     seq_len: int = ranged(128, ge=1)
     # Depth weighted averages: dilation k, period p ("k x p"); dwa=False is a plain Transformer.
     dwa: bool = True
@@ -139,8 +141,19 @@ class DenseFormerConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def with_vocab(self, vocab_size: int) -> DenseFormerConfig:
+        """A copy with `vocab_size` filled in; ModelConfigError if this one names another."""
+        if self.vocab_size is not None and self.vocab_size != vocab_size:
+            raise ModelConfigError("vocab_size", f"is {self.vocab_size}, but the vocabulary to "
+                                                 f"fill in has {vocab_size} tokens")
+        return dataclasses.replace(self, vocab_size=vocab_size)
+
     @property
     def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to vocab_pad_multiple; ModelConfigError if it is null."""
+        if self.vocab_size is None:
+            raise ModelConfigError("vocab_size", "is null: pass the vocabulary size of the data "
+                                                 "(with_vocab)")
         m = self.vocab_pad_multiple
         return math.ceil(self.vocab_size / m) * m
 

@@ -1,0 +1,141 @@
+"""The sections of the run config, one dataclass each, and the Config that holds them.
+
+The model section is `DenseFormerConfig` itself (pretrain/model/config.py), so a field added
+to the model is a config key at once; its vocab_size may be null (taken from the data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pretrain.model.config import DenseFormerConfig, ranged
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; `key` is the dotted key, e.g. "model.n_heads"."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class RunSection:
+    dir: str | None = None  # None: runs/<name>-<timestamp>, decided by the trainer
+    name: str = "denseformer"
+
+
+@dataclass
+class DataSection:
+    path: str | None = None  # a tokenised dataset directory (data_pipeline output)
+    num_workers: int = ranged(0, ge=0)
+    val_batches: int = ranged(20, ge=0)  # batches per validation; 0 switches validation off
+
+
+@dataclass
+class OptimSection:
+    lr: float = ranged(1e-3, gt=0)
+    min_lr: float = ranged(1e-4, ge=0, also="<= optim.lr")  # floor of the cosine decay
+    # None: 5% of train.steps
+    warmup_steps: int | None = ranged(None, ge=0, also="< train.steps")
+    beta1: float = ranged(0.9, ge=0, lt=1)
+    beta2: float = ranged(0.95, ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    weight_decay: float = ranged(0.1, ge=0)
+    decay_alphas: bool = False  # weight decay on DWA alphas (the paper's code does not)
+    grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class TrainSection:
+    steps: int = ranged(100, ge=1)
+    seed: int = ranged(0, ge=0)  # the data order's numpy SeedSequence needs >= 0
+    # The global batch in sequences, whatever the layout.
+    batch_size: int = ranged(8, ge=1, also="a multiple of dp x parallel.microbatches")
+    resume: str | None = None  # None, "auto" (latest checkpoint of run.dir) or a checkpoint path
+    # A checkpoint or run directory whose model weights start a new run (fresh optimizer,
+    # step 0; pretrain/init_from.py); ignored by a run that resumes from its own checkpoint.
+    init_from: str | None = None
+    # Stop (checkpoint and exit) after this step; the schedule uses steps.
+    stop_at: int | None = ranged(None, ge=1, also="<= train.steps")
+    eval_every: int = ranged(0, ge=0)  # 0: validate only at the end (when data.val_batches > 0)
+    log_every: int = ranged(10, ge=1)
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    on_nan: Literal["stop", "skip"] = "stop"
+    # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
+    max_consecutive_skips: int = ranged(10, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class ParallelSection:
+    tp: int = ranged(1, ge=1, also="divides model.n_heads and the padded vocabulary")
+    pp: int = ranged(1, ge=1, also="<= model.n_layers")
+    # Per data-parallel rank per step (= gradient accumulation).
+    microbatches: int = ranged(1, ge=1, also="divides train.batch_size; with virtual_stages "
+                                             "> 1, a multiple of pp or < 2 x pp")
+    zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
+    sequence_parallel: bool = False
+    # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
+    # per stage in order (null: balanced), and what crosses stage boundaries.
+    virtual_stages: int = ranged(1, ge=1, also="> 1 needs pp > 1; pp x virtual_stages <= "
+                                                    "model.n_layers")
+    pp_split: list[int] | None = None
+    pp_transfer: Literal["optimal", "raw"] = "optimal"
+    # Activation checkpointing (parallel/checkpointing.py): recompute units of
+    # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
+    activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
+    checkpoint_every: int = ranged(1, ge=1, also="<= model.n_layers; 1 with pp > 1")
+    # Timeout of every collective (world, megatron-core and DeepSpeed groups): a hung or
+    # stopped peer ends the job after this long instead of holding every rank (a day at most:
+    # longer is a hang, not a slow collective).
+    timeout_s: int = ranged(600, ge=1, le=86400)
+
+
+@dataclass
+class CheckpointSection:
+    every: int = ranged(0, ge=0)  # 0: only at the end (or at stop_at / on a stop signal)
+    keep: int = ranged(3, ge=0)  # newest complete checkpoints kept; 0 keeps all
+
+
+@dataclass
+class TrackingSection:
+    uri: str | None = None  # None: sqlite:///<run.dir>/mlflow.db
+    experiment: str = "denseformer"
+    enabled: bool = True
+    # false: an unreachable tracking server costs one warning (metrics.jsonl is still written)
+    required: bool = True
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: DenseFormerConfig = field(default_factory=DenseFormerConfig)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+
+    def effective_warmup_steps(self) -> int:
+        """optim.warmup_steps, or round(5% of train.steps) when it is null."""
+        if self.optim.warmup_steps is not None:
+            return self.optim.warmup_steps
+        return round(0.05 * self.train.steps)
+
+    def layout_tag(self, world_size: int) -> str:
+        """The layout as a short string, e.g. "tp2-pp2-dp2"."""
+        dp = world_size // (self.parallel.tp * self.parallel.pp)
+        return f"tp{self.parallel.tp}-pp{self.parallel.pp}-dp{dp}"
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+# Keys that may legitimately change when a run is resumed; left out of the MLflow params.
+RUN_CONTROL_KEYS = ("run.dir", "train.resume", "train.init_from", "train.stop_at",
+                    "data.num_workers", "tracking.*", "checkpoint.*")
