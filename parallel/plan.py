@@ -191,11 +191,16 @@ def micro_batch_size(cfg, world_size: int | None = None) -> int:
 # What the command lines of parallel.plan, parallel.memory and parallel.memory_probe share
 
 
-def config_parser(prog: str, description: str, world_size: bool = True) -> argparse.ArgumentParser:
-    """An argument parser with --config, --set, --json and (if `world_size`) --world-size."""
+def config_parser(prog: str, description: str, world_size: bool = True,
+                  run_dir: bool = False) -> argparse.ArgumentParser:
+    """An argument parser with --config (or, if `run_dir`, --run DIR instead), --set, --json
+    and (if `world_size`) --world-size."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML run config")
+    source = parser.add_mutually_exclusive_group(required=True) if run_dir else parser
+    source.add_argument("--config", required=not run_dir, help="YAML run config")
+    if run_dir:
+        source.add_argument("--run", metavar="DIR", help="a run directory, instead of --config")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a config key (repeatable)")
     if world_size:
