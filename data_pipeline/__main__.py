@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         type=Path,
         default=None,
-        help="use this sentencepiece .model instead of training one",
+        help="use this tokenizer instead of training one: a sentencepiece .model, a Hugging "
+        "Face tokenizer.json (needs the hf extra) or a directory holding one",
     )
     prep.add_argument(
         "--workers", type=int, default=None, help="tokenisation processes (default: all cores)"

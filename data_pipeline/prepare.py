@@ -42,7 +42,12 @@ from data_pipeline.shard_layout import record_bytes
 from data_pipeline.shards import SequencePacker, ShardWriter
 from data_pipeline.shuffle import PURPOSE_VAL_SPLIT, seeded_permutation
 from data_pipeline.sources import expand_inputs, iter_documents, read_documents
-from data_pipeline.tokenizer import TOKENIZER_FILE, load_tokenizer, train_tokenizer
+from data_pipeline.tokenizer import (
+    TOKENIZER_FILE,
+    backend_file_name,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_SEQ_LEN = 1024
@@ -250,18 +255,21 @@ def _move_into_place(tmp_dir: Path, out_dir: Path) -> None:
         os.replace(tmp_dir, out_dir)
 
 
-def _tokenizer_into(model_path: Path, files, total_bytes: int, options) -> int | None:
-    """Copy or train the tokenizer to model_path; returns the training document stride."""
+def _tokenizer_into(tmp_dir: Path, files, total_bytes: int, options) -> tuple[Path, int | None]:
+    """Copy or train the tokenizer into tmp_dir; returns its path there and the training
+    document stride (None for a given tokenizer)."""
     if options.tokenizer is not None:
-        load_tokenizer(options.tokenizer)  # fails early, naming the file, if not a model
-        shutil.copyfile(options.tokenizer, model_path)
-        return None
+        given = load_tokenizer(options.tokenizer)  # fails early, naming the file
+        model_path = tmp_dir / backend_file_name(given.path)
+        shutil.copyfile(given.path, model_path)
+        return model_path, None
+    model_path = tmp_dir / TOKENIZER_FILE
     vocab_size = options.vocab_size or DEFAULT_VOCAB_SIZE
     stride = max(1, math.ceil(total_bytes / (options.tokenizer_train_mb * 1e6)))
     with _bar(options.progress, total=1, desc="tokenizer", unit="model") as bar:
         train_tokenizer(_training_lines(files, stride), model_path, vocab_size, options.seed)
         bar.update(1)
-    return stride
+    return model_path, stride
 
 
 def _val_documents(num_docs: int, files, options) -> np.ndarray:
@@ -279,8 +287,7 @@ def _val_documents(num_docs: int, files, options) -> np.ndarray:
 def _build(files: list[Path], tmp_dir: Path, options: PrepareOptions) -> dict:
     """All phases, writing into tmp_dir; returns the index.json contents."""
     num_docs, total_bytes = _scan(files, options.progress)
-    model_path = tmp_dir / TOKENIZER_FILE
-    stride = _tokenizer_into(model_path, files, total_bytes, options)
+    model_path, stride = _tokenizer_into(tmp_dir, files, total_bytes, options)
     processor = load_tokenizer(model_path)
     vocab_size, eos_id = processor.vocab_size, processor.eos_id
     if eos_id is None:
@@ -342,7 +349,7 @@ def _build(files: list[Path], tmp_dir: Path, options: PrepareOptions) -> dict:
         "token_dtype": dtype,
         "eos_id": eos_id,
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": model_path.name,
             "sha256": sha256_file(model_path),
             "trained": options.tokenizer is None,
         },

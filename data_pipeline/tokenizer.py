@@ -1,9 +1,10 @@
 """The tokenizer interface, its sentencepiece backend, and training for `prepare`.
 
-Every user (prepare, inspect, the trainer's run directory, generation) goes through
-`Tokenizer`: encode, decode, vocabulary size, EOS/BOS ids and the sha256 of the file it was
-loaded from. `load_tokenizer` picks the backend from the file name (`BACKENDS`), so a Hugging
-Face `tokenizers` backend (a `tokenizer.json`) is one more class and one more entry there.
+Every user (prepare, inspect, the trainer's run directory, generation, lm-eval) goes
+through `Tokenizer`: encode, decode, vocabulary size, EOS/BOS ids and the sha256 of the file
+it was loaded from. `load_tokenizer` picks the backend from the file name (`BACKENDS`): a
+sentencepiece `tokenizer.model`, or a Hugging Face `tokenizers` `tokenizer.json` (the `hf`
+extra), which is what released models ship.
 
 Training choices (sentencepiece), all for faithful round trips of code-like text: identity
 normalisation, whitespace kept as is, newline as its own piece, byte fallback (no <unk> for
@@ -28,6 +29,7 @@ from data_pipeline import DataError
 from data_pipeline.index import INDEX_FILE, sha256_file
 
 TOKENIZER_FILE = "tokenizer.model"
+HF_TOKENIZER_FILE = "tokenizer.json"
 # The trained pieces depend on sentencepiece's thread count, so it is fixed (not --workers)
 # for the same tokenizer on every machine; oversubscribing a small machine costs little.
 TRAIN_THREADS = 8
@@ -106,8 +108,73 @@ def _id_or_none(token_id: int) -> int | None:
     return token_id if token_id >= 0 else None
 
 
+# The special tokens that end and begin a document in the families whose tokenizer.json we
+# read (Llama 2/Mistral, Llama 3, GPT-2/Qwen/our BPE, Gemma), first match wins. A
+# tokenizer.json does not say which of its special tokens is EOS (a sidecar
+# tokenizer_config.json does, and it is not copied with the file), so the ids come from the
+# file alone and are the same wherever the file goes.
+HF_EOS_TOKENS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+HF_BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer.json. Encoding adds no special tokens (`prepare`
+    puts EOS after each document and no BOS, as with sentencepiece); decoding drops them."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError as error:
+            raise DataError(f"{path}: reading a tokenizer.json needs the `tokenizers` package: "
+                            f"pip install -e .[hf]") from error
+        try:
+            self._tokenizer = RustTokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises its own Exception subclass
+            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({error})") from error
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def _first_id(self, names: tuple[str, ...]) -> int | None:
+        for name in names:
+            token_id = self._tokenizer.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._first_id(HF_EOS_TOKENS)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._first_id(HF_BOS_TOKENS)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
 # File name -> backend; `find_tokenizer_file` looks for these names in a directory.
-BACKENDS: dict[str, type[Tokenizer]] = {TOKENIZER_FILE: SentencePieceTokenizer}
+BACKENDS: dict[str, type[Tokenizer]] = {TOKENIZER_FILE: SentencePieceTokenizer,
+                                        HF_TOKENIZER_FILE: HFTokenizer}
+
+
+def backend_file_name(path: str | Path) -> str:
+    """The name a tokenizer file gets in a dataset, run or export directory: its own if it
+    is a name in BACKENDS, tokenizer.json for any other .json, else tokenizer.model (a
+    sentencepiece model under another name, as `prepare --tokenizer` accepts)."""
+    name = Path(path).name
+    if name in BACKENDS:
+        return name
+    return HF_TOKENIZER_FILE if name.endswith(".json") else TOKENIZER_FILE
 
 
 def find_tokenizer_file(directory: str | Path) -> Path | None:
@@ -122,10 +189,13 @@ def load_tokenizer(path: str | Path, expected_sha256: str | None = None) -> Toke
     """The Tokenizer of a tokenizer file, or of a prepared dataset directory.
 
     Given a dataset directory, the tokenizer named in its index.json is loaded and its
-    sha256 checked against the index; given a file, against expected_sha256 if set. Files
-    named like none of BACKENDS are read as sentencepiece models (`prepare --tokenizer`).
+    sha256 checked against the index; given a file, against expected_sha256 if set. Given a
+    directory without an index (a Hugging Face model directory), its tokenizer file. The
+    backend is `backend_file_name`'s (`prepare --tokenizer` accepts any file name).
     """
     path = Path(path)
+    if path.is_dir() and not (path / INDEX_FILE).exists() and find_tokenizer_file(path):
+        path = find_tokenizer_file(path)
     if path.is_dir():
         index_path = path / INDEX_FILE
         try:
@@ -140,23 +210,26 @@ def load_tokenizer(path: str | Path, expected_sha256: str | None = None) -> Toke
         if actual != expected_sha256:
             raise DataError(f"{path}: sha256 {actual} differs from the expected "
                             f"{expected_sha256}")
-    return BACKENDS.get(path.name, SentencePieceTokenizer)(path)
+    return BACKENDS[backend_file_name(path)](path)
 
 
 def copy_tokenizer(source: str | Path, directory: str | Path,
                    expected_sha256: str | None = None, replace: bool = False) -> Path:
     """Copy a tokenizer file (or a dataset directory's) into `directory`, atomically; the
-    copy keeps the file name, so `find_tokenizer_file(directory)` finds it. An identical copy
-    already there is kept; a different one is replaced if `replace`, else an error (a run
-    keeps the tokenizer it began with)."""
+    copy gets its backend's file name, so `find_tokenizer_file(directory)` finds it. An
+    identical copy already there is kept; a different one (of either backend) is replaced if
+    `replace`, else an error (a run keeps the tokenizer it began with)."""
     tokenizer = load_tokenizer(source, expected_sha256)
-    name = tokenizer.path.name if tokenizer.path.name in BACKENDS else TOKENIZER_FILE
-    target = Path(directory) / name
-    if target.exists() and not replace:
-        if sha256_file(target) != tokenizer.sha256:
-            raise DataError(f"{target}: holds a different tokenizer than {tokenizer.path} "
+    target = Path(directory) / backend_file_name(tokenizer.path)
+    present = find_tokenizer_file(directory)
+    if present is not None and not replace:
+        if present != target or sha256_file(target) != tokenizer.sha256:
+            raise DataError(f"{present}: holds a different tokenizer than {tokenizer.path} "
                             f"(sha256 {tokenizer.sha256})")
         return target
+    for name in BACKENDS:  # the one tokenizer file of the directory
+        if name != target.name:
+            (Path(directory) / name).unlink(missing_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.copyfile(tokenizer.path, tmp)
     os.replace(tmp, target)

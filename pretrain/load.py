@@ -100,8 +100,8 @@ def _read_exported(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
     tokenizer_file = find_tokenizer_file(path)
     if tokenizer_file is None:
         raise checkpoint.CheckpointError(
-            f"{path}: exported directory without a tokenizer file (tokenizer.model); export "
-            "it again with `python -m pretrain checkpoint export`")
+            f"{path}: exported directory without a tokenizer file (tokenizer.model or "
+            "tokenizer.json); export it again with `python -m pretrain checkpoint export`")
     cfg = _config(path / CONFIG_FILE)
     try:
         state = load_file(path / EXPORTED_WEIGHTS)
