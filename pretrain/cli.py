@@ -1,4 +1,4 @@
-"""`python -m pretrain {train,config,eval,checkpoint,generate,lm-eval,analyze}`: the
+"""`python -m pretrain {train,config,eval,checkpoint,generate,lm-eval,analyze,export-hf}`:
 command-line entry points."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pretrain import analyze, generate_cli, lm_eval_cli
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
+from pretrain.hf import export as hf_export
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_parser(sub)
     lm_eval_cli.add_parser(sub)
     analyze.add_parser(sub)
+    hf_export.add_parser(sub)
     return parser
 
 
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
                "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate,
-               "lm-eval": lm_eval_cli.cmd_lm_eval, "analyze": analyze.cmd_analyze}[args.command]
+               "lm-eval": lm_eval_cli.cmd_lm_eval, "analyze": analyze.cmd_analyze,
+               "export-hf": hf_export.cmd_export_hf}[args.command]
     try:
         status = command(args)
     except (ConfigError, ModelConfigError, DataError, CheckpointError) as err:

@@ -1,0 +1,130 @@
+"""`python -m pretrain export-hf (--run DIR | --checkpoint PATH) --out DIR`: a trained model
+as a Hugging Face model directory.
+
+The model comes through `pretrain.load_model` (every check it makes: tokenizer sha256,
+vocabulary) and leaves as `config.json`, `generation_config.json`, `model.safetensors`
+(fp32, the trainer's parameter names), `modeling_denseformer.py` (this package's
+`modeling_denseformer.py`, copied verbatim: it imports only torch and transformers) and the
+run's tokenizer file, so that
+
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+
+gives the same logits as the trainer's model, and `generate` and lm-eval's `hf` model work.
+With a `tokenizer.json` the export also writes `tokenizer_config.json`, so `AutoTokenizer`
+loads it; a sentencepiece `tokenizer.model` is copied for `pretrain.load_tokenizer` (or
+sentencepiece) to read. The directory is written beside --out and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+from pretrain.config import ConfigError
+
+MODELING_FILE = "modeling_denseformer.py"
+
+
+def add_parser(subparsers) -> None:
+    """The `export-hf` subcommand and its options."""
+    parser = subparsers.add_parser(
+        "export-hf", help="write a Hugging Face model directory (remote code) of a run's newest "
+        "checkpoint, a checkpoint or an export")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", help="run directory: its newest complete checkpoint")
+    where.add_argument("--checkpoint", help="a checkpoint, or a directory of `checkpoint export`")
+    parser.add_argument("--out", required=True, help="directory to create (must not exist, or "
+                        "be empty)")
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    path = Path(args.run or args.checkpoint)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("--out", f"{out} exists and is not an empty directory")
+    export_hf(path, out)
+    print(f"wrote {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+          "trust_remote_code=True)")
+    return 0
+
+
+def hf_config(model_cfg, tokenizer):
+    """The DenseFormerHFConfig of a trainer's model shape (`DenseFormerConfig`)."""
+    from pretrain.hf.modeling_denseformer import DenseFormerHFConfig
+
+    pattern = model_cfg.dwa_pattern
+    dwa_inputs = [list(pattern.inputs[i]) if i in pattern.inputs else None
+                  for i in range(1, model_cfg.n_layers + 1)]
+    special = {name: value for name, value in (("eos_token_id", tokenizer.eos_id),
+                                               ("bos_token_id", tokenizer.bos_id))
+               if value is not None}
+    config = DenseFormerHFConfig(
+        vocab_size=model_cfg.vocab_size, padded_vocab_size=model_cfg.padded_vocab_size,
+        hidden_size=model_cfg.d_model, num_hidden_layers=model_cfg.n_layers,
+        num_attention_heads=model_cfg.n_heads, max_position_embeddings=model_cfg.seq_len,
+        mlp_ratio=model_cfg.mlp_ratio, rope_theta=model_cfg.rope_base,
+        norm_eps=model_cfg.norm_eps, skip_gains=model_cfg.skip_gains, dwa_inputs=dwa_inputs,
+        use_cache=False, pad_token_id=tokenizer.eos_id, **special)
+    config.architectures = ["DenseFormerForCausalLM"]
+    config.auto_map = {"AutoConfig": "modeling_denseformer.DenseFormerHFConfig",
+                       "AutoModelForCausalLM": "modeling_denseformer.DenseFormerForCausalLM"}
+    config.denseformer = dataclasses.asdict(model_cfg)  # the trainer's model section
+    return config
+
+
+def export_hf(path: Path, out: Path) -> Path:
+    """Write the Hugging Face directory of the model at `path` (run, checkpoint or export)
+    to `out`; returns `out`."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel import groups
+    from pretrain.hf.modeling_denseformer import DenseFormerForCausalLM
+    from pretrain.load import load_model
+
+    ours = not dist.is_initialized()  # the 1-rank world load_model starts is ours to end
+    try:
+        model, tokenizer = load_model(path, device="cpu")
+    finally:
+        if ours:
+            groups.destroy()
+    config = hf_config(model.config, tokenizer)
+    hf_model = DenseFormerForCausalLM(config)
+    state = {name: value.detach().float() for name, value in model.named_parameters()}
+    hf_model.load_state_dict(state, strict=True)
+    hf_model.generation_config.use_cache = False  # no KV cache in the exported code
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with torch.no_grad():
+            hf_model.save_pretrained(tmp)
+        shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
+        shutil.copyfile(tokenizer.path, tmp / tokenizer.path.name)
+        if tokenizer.path.name == "tokenizer.json":
+            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer),
+                                                                  indent=1) + "\n")
+        if out.exists():
+            out.rmdir()  # empty, as cmd_export_hf checked
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _tokenizer_config(tokenizer) -> dict:
+    """What `AutoTokenizer` needs beside a tokenizer.json: the class and the special tokens
+    our Tokenizer found (`data_pipeline.tokenizer.HF_EOS_TOKENS`)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_file(str(tokenizer.path))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+              "add_eos_token": False}
+    for key, token_id in (("eos_token", tokenizer.eos_id), ("bos_token", tokenizer.bos_id),
+                          ("pad_token", tokenizer.eos_id)):
+        if token_id is not None:
+            config[key] = rust.id_to_token(token_id)
+    return config

@@ -1,0 +1,163 @@
+"""A DenseFormer (or Transformer) exported for Hugging Face transformers.
+
+This file is written into every export directory (`python -m pretrain export-hf`) and loaded
+from there with
+
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+
+so it imports nothing but torch and transformers. It computes, in plain PyTorch, the function
+of `pretrain.model.DenseFormer` in one process: X_0 = embed(tokens); X_i = block_i(Y_{i-1});
+Y_i = sum_{j in S_i} alpha[i, j] X_j after the blocks that have a DWA (else Y_i = X_i);
+logits = final_norm(Y_d) @ E^T (the LM head tied to the embedding). Which X_j each DWA reads
+(S_i) is written into config.json (`dwa_inputs`) by the exporter, so this file needs no
+knowledge of the k x p pattern. It holds every X_j for the whole sequence and keeps no KV
+cache: `generate` recomputes the prefix each step (`use_cache` is false in the export).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+class DenseFormerHFConfig(PretrainedConfig):
+    """The model section of the training run, as the exporter wrote it."""
+
+    model_type = "denseformer"
+
+    def __init__(self, vocab_size: int = 512, padded_vocab_size: int = 512,
+                 hidden_size: int = 64, num_hidden_layers: int = 4, num_attention_heads: int = 4,
+                 max_position_embeddings: int = 128, mlp_ratio: int = 4,
+                 rope_theta: float = 10000.0, norm_eps: float = 1e-5, skip_gains: bool = False,
+                 dwa_inputs: list | None = None, **kwargs):
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        self.hidden_size, self.num_hidden_layers = hidden_size, num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.mlp_ratio, self.rope_theta, self.norm_eps = mlp_ratio, rope_theta, norm_eps
+        self.skip_gains = skip_gains
+        # dwa_inputs[i - 1]: the j of the X_j that the DWA after block i reads, or None
+        self.dwa_inputs = dwa_inputs or [None] * num_hidden_layers
+        kwargs.setdefault("tie_word_embeddings", False)  # the head reads embedding.weight
+        super().__init__(**kwargs)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate x (B, heads, S, head_dim) at `positions` (B, S), rotate-half convention."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                           device=x.device) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, S, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * angles.cos().to(x.dtype) + rotated * angles.sin().to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.heads, self.head_dim = config.num_attention_heads, d // config.num_attention_heads
+        self.base = config.rope_theta
+        # Output features head-major, (head, q|k|v, head_dim), as the trainer lays them out.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k = _rope(qkv[0], positions, self.base), _rope(qkv[1], positions, self.base)
+        out = F.scaled_dot_product_attention(q, k, qkv[2], attn_mask=mask, is_causal=mask is None)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        hidden = config.mlp_ratio * config.hidden_size
+        self.fc_in = nn.Linear(config.hidden_size, hidden, bias=False)
+        self.fc_out = nn.Linear(hidden, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN block (LayerNorm without bias, RoPE attention, 4x GELU MLP)."""
+
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        d, eps = config.hidden_size, config.norm_eps
+        self.norm_attn = nn.LayerNorm(d, eps=eps, bias=False)
+        self.attn = Attention(config)
+        self.norm_mlp = nn.LayerNorm(d, eps=eps, bias=False)
+        self.mlp = MLP(config)
+        if config.skip_gains:
+            self.skip_gain_attn = nn.Parameter(torch.ones(()))
+            self.skip_gain_mlp = nn.Parameter(torch.ones(()))
+        else:
+            self.skip_gain_attn = self.skip_gain_mlp = None
+
+    def forward(self, x, positions, mask):
+        skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
+        h = skip + self.attn(self.norm_attn(x), positions, mask)
+        skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
+        return skip + self.mlp(self.norm_mlp(h))
+
+
+class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = DenseFormerHFConfig
+    base_model_prefix = "denseformer"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.embedding = nn.Embedding(config.padded_vocab_size, d)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.final_norm = nn.LayerNorm(d, eps=config.norm_eps, bias=False)
+        self.dwa_alpha = None
+        if any(js is not None for js in config.dwa_inputs):
+            self.dwa_alpha = nn.Parameter(torch.zeros(config.num_hidden_layers,
+                                                      config.num_hidden_layers + 1))
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Only for weights a checkpoint lacks (an export holds them all)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embedding
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
+        """Logits (B, S, vocab_size). `attention_mask` (B, S; 0 = padding, left padding as
+        `generate` makes it) moves RoPE positions past the padding and hides padded keys.
+        `labels`: the mean next-token loss over positions whose label is not -100."""
+        b, s = input_ids.shape
+        mask = None
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        if attention_mask is not None and not bool(attention_mask.all()):
+            keep = attention_mask.bool()
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
+            mask = causal & keep[:, None, :]
+            mask = (mask | torch.eye(s, dtype=torch.bool, device=input_ids.device))[:, None]
+        xs = [self.embedding(input_ids)]
+        y = xs[0]
+        for i, block in enumerate(self.blocks, start=1):
+            xs.append(block(y, positions, mask))
+            js = self.config.dwa_inputs[i - 1]
+            y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * xs[j] for j in js)
+        logits = F.linear(self.final_norm(y), self.embedding.weight)[..., :self.config.vocab_size]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
