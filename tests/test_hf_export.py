@@ -118,6 +118,30 @@ def test_generate_and_tokenizer_of_the_export(bpe, tmp_path):
     assert out.tolist() == expected.tolist()
 
 
+@pytest.mark.timeout(180)
+def test_lm_eval_hf_model_reads_the_export(bpe, tmp_path):
+    """lm-eval's own `hf` model on the export scores a continuation as our model does."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from pretrain.hf.export import export_hf
+
+    model = trained_like("1x1", seq_len=64)
+    export_hf(write_export(model, bpe, tmp_path / "native"), tmp_path / "hf")
+    lm = HFLM(pretrained=str(tmp_path / "hf"), trust_remote_code=True, batch_size=1,
+              device="cpu", max_length=64)
+    (score, _), = lm.loglikelihood([Instance("loglikelihood", {}, ("def main():", " return 1"),
+                                             0)])
+    tok = load_tokenizer(bpe)
+    context, continuation = tok.encode("def main():"), tok.encode(" return 1")
+    with torch.no_grad():
+        logprobs = model(torch.tensor([context + continuation])).log_softmax(-1)[0]
+    ours = sum(logprobs[len(context) - 1 + k, t].item() for k, t in enumerate(continuation))
+    assert score == pytest.approx(ours, rel=1e-5)
+
+
 def test_a_non_empty_out_is_refused(bpe, tmp_path, capsys):
     from pretrain.cli import main
 
