@@ -13,8 +13,9 @@ targets; the loss is the mean of the micro-batch means, as in the single-process
 micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage) and the tied embedding's gradients over the embedding group (first and
-last stage, as in Megatron). Data-parallel averaging, clipping and the optimizer step stay
-with the trainer.
+last stage, as in Megatron). Data-parallel averaging happens in the stage's last backward
+when the stage modules are DDP modules (`ddp_group`, parallel/ddp.py), else in the trainer;
+clipping and the optimizer step stay with the trainer.
 
 Pitfalls of torch.distributed.pipelining (2.13) handled here: declared shapes must be
 `requires_grad=True` meta tensors for activations (plain ones fail in backward) and are not
@@ -50,7 +51,8 @@ class PipelineRunner:
     def __init__(self, config: DenseFormerConfig, *, microbatches: int, micro_batch: int,
                  virtual_stages: int = 1, pp_split: list[int] | None = None,
                  transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
-                 sequence_parallel: bool = False, activation_checkpointing: bool = False):
+                 sequence_parallel: bool = False, activation_checkpointing: bool = False,
+                 ddp_group=None):
         from megatron.core import parallel_state as ps
         from torch.distributed import pipelining
 
@@ -83,10 +85,23 @@ class PipelineRunner:
             setattr(self.model.dwa_alpha, PIPELINE_DUPLICATE_ATTR, True)
         self.model.pp_group = self.pp_group  # the trainer's gradient norm sums over it
 
+        # `ddp_group`: the stage module under DDP, which averages the gradients over data
+        # parallelism during the stage's last backward (parallel/ddp.py); one stage per rank
+        # only, as interleaved stages share the rank's parameters. A stage need not read
+        # every parameter of its StageModel (the alphas of a stage without a DWA).
+        submodules = self.modules
+        if ddp_group is not None:
+            from parallel import ddp
+
+            if virtual_stages > 1:
+                raise ValueError("DDP stage modules need virtual_stages = 1 (interleaved "
+                                 "stages share parameters)")
+            submodules = [ddp.wrap(m, ddp_group, find_unused_parameters=True)
+                          for m in self.modules]
         stages = [pipelining.PipelineStage(
             module, s, self.plan.n_stages, self.device, input_args=self._inputs_meta(s),
             output_args=self._outputs_meta(s), group=self.pp_group)
-            for s, module in zip(self.local_stages, self.modules, strict=True)]
+            for s, module in zip(self.local_stages, submodules, strict=True)]
         self.schedule_name = schedule_name(self.pp, virtual_stages, microbatches)
         schedule_class = getattr(pipelining, self.schedule_name)
         self._micro_losses: list[torch.Tensor] = []

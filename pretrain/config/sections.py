@@ -78,6 +78,10 @@ class ParallelSection:
     microbatches: int = ranged(1, ge=1, also="divides train.batch_size; with virtual_stages "
                                              "> 1, a multiple of pp or < 2 x pp")
     zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
+    # Without ZeRO, how gradients are averaged over data parallelism: torch DDP, in buckets
+    # during the backward (interleaved pipelines fall back to flat), or one flat all-reduce
+    # after the backward (parallel/ddp.py).
+    dp_reduction: Literal["ddp", "flat"] = "ddp"
     sequence_parallel: bool = False
     # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
     # per stage in order (null: balanced), and what crosses stage boundaries.
