@@ -71,7 +71,9 @@ class AdamWUpdate:
                     self.model.parameters(), self.grad_clip,
                     torch.tensor(norm, device=self.layout.device))
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views into its buckets: zeroed in place, they stay there (set
+        # to None, the next backward would allocate new ones and copy them in).
+        self.optimizer.zero_grad(set_to_none=not self.reduced_in_backward)
         return norm
 
     def sharded_state(self) -> dict:
