@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from parallel.plan import build_plan
 from parallel.schedule import schedule_name, schedule_problem
-from parallel.stage_model import BOUNDARY_DTYPE, StageModel, StageModule
+from parallel.stage_model import StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.denseformer import cross_entropy
 
@@ -40,7 +40,7 @@ from pretrain.model.denseformer import cross_entropy
 PIPELINE_DUPLICATE_ATTR = "pipeline_duplicate"
 
 
-def _meta(shape, dtype=BOUNDARY_DTYPE) -> torch.Tensor:
+def _meta(shape, dtype: torch.dtype) -> torch.Tensor:
     grad = dtype.is_floating_point
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
@@ -52,7 +52,7 @@ class PipelineRunner:
                  virtual_stages: int = 1, pp_split: list[int] | None = None,
                  transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
                  sequence_parallel: bool = False, activation_checkpointing: bool = False,
-                 ddp_group=None):
+                 ddp_group=None, boundary_dtype: torch.dtype = torch.float32):
         from megatron.core import parallel_state as ps
         from torch.distributed import pipelining
 
@@ -70,7 +70,9 @@ class PipelineRunner:
         programs = [self.plan.programs[s] for s in self.local_stages]
         self.model = StageModel(config, programs, seed=seed,
                                 sequence_parallel=sequence_parallel).to(self.device)
-        self.modules = [StageModule(self.model, p, activation_checkpointing) for p in programs]
+        self.boundary_dtype = boundary_dtype  # of what crosses the stage boundaries
+        self.modules = [StageModule(self.model, p, activation_checkpointing, boundary_dtype)
+                        for p in programs]
         self.has_first = 0 in self.local_stages
         self.has_last = self.plan.n_stages - 1 in self.local_stages
         tp = self.model.tp_size
@@ -121,21 +123,24 @@ class PipelineRunner:
         if stage == 0:
             return (_meta((self.micro_batch, cfg.seq_len), torch.long),)
         n = len(self.plan.programs[stage].incoming)
-        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
+                     for _ in range(n))
 
     def _outputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
         cfg = self.model.config
         if stage == self.plan.n_stages - 1:
             vocab = cfg.padded_vocab_size // self.model.tp_size
             if self.model.sequence_parallel:
-                return (_meta((cfg.seq_len, self.micro_batch, vocab)),)
-            return (_meta((self.micro_batch, cfg.seq_len, vocab)),)
+                return (_meta((cfg.seq_len, self.micro_batch, vocab), torch.float32),)
+            return (_meta((self.micro_batch, cfg.seq_len, vocab), torch.float32),)
         n = len(self.plan.programs[stage].outgoing)
-        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
+                     for _ in range(n))
 
     def describe(self) -> list[str]:
         """Log lines: schedule, stages, and the tensors and bytes crossing each boundary."""
-        lines = self.plan.describe(self.micro_batch, seq_shards=self.seq_shards)
+        lines = self.plan.describe(self.micro_batch, seq_shards=self.seq_shards,
+                                   dtype_bytes=self.boundary_dtype.itemsize)
         lines[0] += f"; {self.schedule_name}, {self.microbatches} micro-batches of " \
                     f"{self.micro_batch}"
         return lines
@@ -208,7 +213,7 @@ class PipelineRunner:
             else:
                 n = len(self.plan.programs[s].incoming)
                 state = torch.empty((n, *self._hidden_shape(tokens.shape[0])),
-                                    dtype=BOUNDARY_DTYPE, device=self.device)
+                                    dtype=self.boundary_dtype, device=self.device)
                 dist.recv(state, group=self.pp_group, group_src=self.plan.rank_of_stage(s - 1))
                 out = module(*state.unbind(0))
             if s == n_stages - 1:

@@ -251,7 +251,8 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
             virtual_stages=p.virtual_stages, pp_split=p.pp_split, transfer=p.pp_transfer,
             seed=cfg.train.seed, device=layout.device, sequence_parallel=p.sequence_parallel,
             activation_checkpointing=p.activation_checkpointing == "block",
-            ddp_group=layout.dp_group if reduction == "ddp" else None)
+            ddp_group=layout.dp_group if reduction == "ddp" else None,
+            boundary_dtype=dtype if p.pipeline_dtype == "compute" else torch.float32)
         model, forward = runner.model, PipelineForward(runner)
     else:
         from parallel.checkpointing import apply_activation_checkpointing

@@ -25,23 +25,29 @@ STEPS = 3
 TOL = 1e-6
 
 
-def engine_run(world_size: int, reduction: str, *overrides: str) -> dict:
-    """3 steps of the trainer's engine on this rank's DP slice of fixed random batches."""
+def engine_run(world_size: int, reduction: str, *overrides: str,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """3 steps of the trainer's engine on this rank's DP slice of fixed random batches (under
+    autocast to `dtype`, as the trainer runs them)."""
     from parallel.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine, dp_reduction
+    from pretrain.evaluate import autocast_for
 
     cfg = load_config(None, [*BASE, f"parallel.dp_reduction={reduction}", *overrides],
                       world_size=world_size)
     layout = setup_layout(cfg)
-    engine = build_engine(cfg.model, cfg, layout, torch.float32)
+    engine = build_engine(cfg.model, cfg, layout, dtype)
     data = torch.randint(0, 128, (STEPS, 8, 17), generator=torch.Generator().manual_seed(3))
-    out = {"reduction": dp_reduction(cfg, layout), "losses": [], "norms": []}
+    out = {"reduction": dp_reduction(cfg, layout), "losses": [], "norms": [],
+           "describe": engine.describe()}
     for step in range(STEPS):
         engine.set_lr(1e-2)
         local = data[step].chunk(layout.dp)[layout.dp_rank]
-        out["losses"].append(engine.forward_backward(local[:, :-1], local[:, 1:],
-                                                     cfg.parallel.microbatches).item())
+        with autocast_for(layout.device, dtype):
+            loss = engine.forward_backward(local[:, :-1], local[:, 1:],
+                                           cfg.parallel.microbatches)
+        out["losses"].append(loss.item())
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in engine.model.named_parameters()
                             if p.grad is not None}

@@ -89,6 +89,9 @@ class ParallelSection:
                                                     "model.n_layers")
     pp_split: list[int] | None = None
     pp_transfer: Literal["optimal", "raw"] = "optimal"
+    # The dtype of the tensors crossing a stage boundary (both directions): the compute
+    # dtype (bf16 under bf16 autocast: half the traffic; widened back on receipt) or fp32.
+    pipeline_dtype: Literal["compute", "fp32"] = "compute"
     # Activation checkpointing (parallel/checkpointing.py): recompute units of
     # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
     activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
