@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.compile import apply_compile
 from parallel.ddp import BUCKET_CAP_MB
 from parallel.layout import Layout, average_gradients, gradient_norm
 from parallel.tensor import allreduce_sequence_parallel_grads
@@ -254,6 +255,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
             ddp_group=layout.dp_group if reduction == "ddp" else None,
             boundary_dtype=dtype if p.pipeline_dtype == "compute" else torch.float32)
         model, forward = runner.model, PipelineForward(runner)
+        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
     else:
         from parallel.checkpointing import apply_activation_checkpointing
         from pretrain.model import DenseFormer
@@ -261,6 +263,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
                             sequence_parallel=p.sequence_parallel).to(layout.device)
         apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
+        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
         forward = LocalForward(model)
         if reduction == "ddp":
             from parallel.ddp import DDPLoss

@@ -68,6 +68,11 @@ class TrainSection:
     # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
     max_consecutive_skips: int = ranged(10, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
+    # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
+    # to check a model traces without generating code.
+    compile: Literal["none", "blocks", "model"] = "none"
+    compile_backend: str = "inductor"
 
 
 @dataclass
