@@ -58,7 +58,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel.inference_memory import describe_inference, estimate_inference
-from parallel.plan import build_plan, config_parser, load_run, micro_batch_size
+from parallel.plan import (
+    boundary_dtype_bytes,
+    build_plan,
+    config_parser,
+    load_run,
+    micro_batch_size,
+    resolved_dtype,
+)
 from pretrain.model.config import DenseFormerConfig
 
 FP32 = 4
@@ -246,11 +253,16 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
 
 def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
                               every: int, pp: int, pp_rank: int, microbatches: int,
-                              plan) -> dict[str, int]:
+                              plan, boundary_bytes: int = FP32) -> dict[str, int]:
     """Bytes on pipeline rank `pp_rank` under 1F1B: its stages' blocks for each micro-batch
     in flight, the tensors each received, and one recompute working set. Approximate (the
-    stages run the functional DWA, which keeps each X_j it reads once)."""
+    stages run the functional DWA, which keeps each X_j it reads once). A tensor received in
+    a narrower dtype than the stream (`boundary_bytes`: bf16 under parallel.pipeline_dtype
+    compute) is held twice: as received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
+    received = shape.stream_tensor
+    if boundary_bytes != shape.precision.stream:
+        received += shape.stream_tensor * boundary_bytes // shape.precision.stream
     per_micro, working = 0, 0
     for s in plan.stages_of_rank(pp_rank):
         first, last = plan.stages[s]
@@ -260,7 +272,7 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
         per_micro += len(stored) * shape.stream_tensor
         if s > 0:
             count = plan.counts[s - 1]
-            per_micro += count[plan.transfer] * shape.stream_tensor
+            per_micro += count[plan.transfer] * received
         if s == plan.n_stages - 1:
             per_micro += shape.head
         if mode == "none":
@@ -287,10 +299,7 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
         model = cfg.model  # its padded_vocab_size raises naming model.vocab_size if it is null
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bf16" if device == "cuda" else "fp32"
-    precision = Precision.of(dtype, p.zero_stage)
+    precision = Precision.of(resolved_dtype(cfg, device), p.zero_stage)
     shape = ActivationShape(
         micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
@@ -311,7 +320,8 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
                                                        plan.stages[s][1] + 1)]
             first, last = 0 in stages, plan.n_stages - 1 in stages
             activations = pipeline_activation_terms(model, shape, mode, every, p.pp, pp_rank,
-                                                    p.microbatches, plan)
+                                                    p.microbatches, plan,
+                                                    boundary_dtype_bytes(cfg, device))
         groups = local_parameters(model, p.tp, blocks, first, last, cfg.optim.decay_alphas)
         params, grads, optimizer = state_bytes(groups, p.zero_stage, dp, precision)
         activation = sum(v for k, v in activations.items() if k.endswith(

@@ -13,8 +13,9 @@ targets; the loss is the mean of the micro-batch means, as in the single-process
 micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage) and the tied embedding's gradients over the embedding group (first and
-last stage, as in Megatron). Data-parallel averaging, clipping and the optimizer step stay
-with the trainer.
+last stage, as in Megatron). Data-parallel averaging happens in the stage's last backward
+when the stage modules are DDP modules (`ddp_group`, parallel/ddp.py), else in the trainer;
+clipping and the optimizer step stay with the trainer.
 
 Pitfalls of torch.distributed.pipelining (2.13) handled here: declared shapes must be
 `requires_grad=True` meta tensors for activations (plain ones fail in backward) and are not
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from parallel.plan import build_plan
 from parallel.schedule import schedule_name, schedule_problem
-from parallel.stage_model import BOUNDARY_DTYPE, StageModel, StageModule
+from parallel.stage_model import StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.denseformer import cross_entropy
 
@@ -39,7 +40,7 @@ from pretrain.model.denseformer import cross_entropy
 PIPELINE_DUPLICATE_ATTR = "pipeline_duplicate"
 
 
-def _meta(shape, dtype=BOUNDARY_DTYPE) -> torch.Tensor:
+def _meta(shape, dtype: torch.dtype) -> torch.Tensor:
     grad = dtype.is_floating_point
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
 
@@ -50,7 +51,8 @@ class PipelineRunner:
     def __init__(self, config: DenseFormerConfig, *, microbatches: int, micro_batch: int,
                  virtual_stages: int = 1, pp_split: list[int] | None = None,
                  transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
-                 sequence_parallel: bool = False, activation_checkpointing: bool = False):
+                 sequence_parallel: bool = False, activation_checkpointing: bool = False,
+                 ddp_group=None, boundary_dtype: torch.dtype = torch.float32):
         from megatron.core import parallel_state as ps
         from torch.distributed import pipelining
 
@@ -68,7 +70,9 @@ class PipelineRunner:
         programs = [self.plan.programs[s] for s in self.local_stages]
         self.model = StageModel(config, programs, seed=seed,
                                 sequence_parallel=sequence_parallel).to(self.device)
-        self.modules = [StageModule(self.model, p, activation_checkpointing) for p in programs]
+        self.boundary_dtype = boundary_dtype  # of what crosses the stage boundaries
+        self.modules = [StageModule(self.model, p, activation_checkpointing, boundary_dtype)
+                        for p in programs]
         self.has_first = 0 in self.local_stages
         self.has_last = self.plan.n_stages - 1 in self.local_stages
         tp = self.model.tp_size
@@ -83,10 +87,23 @@ class PipelineRunner:
             setattr(self.model.dwa_alpha, PIPELINE_DUPLICATE_ATTR, True)
         self.model.pp_group = self.pp_group  # the trainer's gradient norm sums over it
 
+        # `ddp_group`: the stage module under DDP, which averages the gradients over data
+        # parallelism during the stage's last backward (parallel/ddp.py); one stage per rank
+        # only, as interleaved stages share the rank's parameters. A stage need not read
+        # every parameter of its StageModel (the alphas of a stage without a DWA).
+        submodules = self.modules
+        if ddp_group is not None:
+            from parallel import ddp
+
+            if virtual_stages > 1:
+                raise ValueError("DDP stage modules need virtual_stages = 1 (interleaved "
+                                 "stages share parameters)")
+            submodules = [ddp.wrap(m, ddp_group, find_unused_parameters=True)
+                          for m in self.modules]
         stages = [pipelining.PipelineStage(
             module, s, self.plan.n_stages, self.device, input_args=self._inputs_meta(s),
             output_args=self._outputs_meta(s), group=self.pp_group)
-            for s, module in zip(self.local_stages, self.modules, strict=True)]
+            for s, module in zip(self.local_stages, submodules, strict=True)]
         self.schedule_name = schedule_name(self.pp, virtual_stages, microbatches)
         schedule_class = getattr(pipelining, self.schedule_name)
         self._micro_losses: list[torch.Tensor] = []
@@ -106,21 +123,24 @@ class PipelineRunner:
         if stage == 0:
             return (_meta((self.micro_batch, cfg.seq_len), torch.long),)
         n = len(self.plan.programs[stage].incoming)
-        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
+                     for _ in range(n))
 
     def _outputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
         cfg = self.model.config
         if stage == self.plan.n_stages - 1:
             vocab = cfg.padded_vocab_size // self.model.tp_size
             if self.model.sequence_parallel:
-                return (_meta((cfg.seq_len, self.micro_batch, vocab)),)
-            return (_meta((self.micro_batch, cfg.seq_len, vocab)),)
+                return (_meta((cfg.seq_len, self.micro_batch, vocab), torch.float32),)
+            return (_meta((self.micro_batch, cfg.seq_len, vocab), torch.float32),)
         n = len(self.plan.programs[stage].outgoing)
-        return tuple(_meta(self._hidden_shape(self.micro_batch)) for _ in range(n))
+        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
+                     for _ in range(n))
 
     def describe(self) -> list[str]:
         """Log lines: schedule, stages, and the tensors and bytes crossing each boundary."""
-        lines = self.plan.describe(self.micro_batch, seq_shards=self.seq_shards)
+        lines = self.plan.describe(self.micro_batch, seq_shards=self.seq_shards,
+                                   dtype_bytes=self.boundary_dtype.itemsize)
         lines[0] += f"; {self.schedule_name}, {self.microbatches} micro-batches of " \
                     f"{self.micro_batch}"
         return lines
@@ -193,7 +213,7 @@ class PipelineRunner:
             else:
                 n = len(self.plan.programs[s].incoming)
                 state = torch.empty((n, *self._hidden_shape(tokens.shape[0])),
-                                    dtype=BOUNDARY_DTYPE, device=self.device)
+                                    dtype=self.boundary_dtype, device=self.device)
                 dist.recv(state, group=self.pp_group, group_src=self.plan.rank_of_stage(s - 1))
                 out = module(*state.unbind(0))
             if s == n_stages - 1:

@@ -1,9 +1,12 @@
 """The pipeline plan: which blocks each (virtual) stage holds, and what crosses each boundary.
 
-    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N] [--json]
+    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N] [--device cuda]
+                            [--json]
 
 prints the plan of a run without starting ranks: the stages, and for every boundary the
-tensors of each transfer mode and their bytes per micro-batch on one TP rank. With `--json`
+tensors of each transfer mode and their bytes per micro-batch on one TP rank, in the dtype
+they cross in (`boundary_dtype_bytes`: the compute dtype with `parallel.pipeline_dtype:
+compute`, so 2 bytes under bf16; `--device` says what `train.dtype: auto` is). With `--json`
 stdout carries only the JSON document:
 
     {"stages": [[first_block, last_block], ...],
@@ -34,7 +37,7 @@ from parallel import stage_state
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
-BOUNDARY_DTYPE_BYTES = 4  # the residual stream crosses stages in fp32
+FP32_BYTES = 4
 
 
 def block_cost_units(cfg: DenseFormerConfig) -> tuple[float, float]:
@@ -124,15 +127,15 @@ class PipelinePlan:
     def stages_of_rank(self, pp_rank: int) -> list[int]:
         return [s for s in range(self.n_stages) if s % self.pp == pp_rank]
 
-    def report(self, micro_batch: int | None = None, seq_shards: int = 1) -> dict:
+    def report(self, micro_batch: int | None = None, seq_shards: int = 1,
+               dtype_bytes: int = FP32_BYTES) -> dict:
         """The JSON document of the module docstring; bytes for `micro_batch` sequences on
         one TP rank (the residual stream is replicated over TP, or split along the sequence
-        into `seq_shards` = TP slices under sequence parallelism)."""
+        into `seq_shards` = TP slices under sequence parallelism), `dtype_bytes` per element."""
         cfg = self.config
         per_tensor = None
         if micro_batch is not None:
-            per_tensor = (micro_batch * (cfg.seq_len // seq_shards) * cfg.d_model
-                          * BOUNDARY_DTYPE_BYTES)
+            per_tensor = micro_batch * (cfg.seq_len // seq_shards) * cfg.d_model * dtype_bytes
         boundaries = []
         for count in self.counts:
             entry = dict(count)
@@ -144,12 +147,13 @@ class PipelinePlan:
                 "pp": self.pp, "virtual_stages": self.virtual_stages,
                 "transfer": self.transfer, "micro_batch": micro_batch,
                 "seq_len": cfg.seq_len, "d_model": cfg.d_model,
-                "dtype_bytes": BOUNDARY_DTYPE_BYTES,
+                "dtype_bytes": dtype_bytes,
                 "items": [[str(item) for item in p.outgoing] for p in self.programs[:-1]]}
 
-    def describe(self, micro_batch: int | None = None, seq_shards: int = 1) -> list[str]:
+    def describe(self, micro_batch: int | None = None, seq_shards: int = 1,
+                 dtype_bytes: int = FP32_BYTES) -> list[str]:
         """Human-readable lines: the stages, then one line per boundary."""
-        rep = self.report(micro_batch, seq_shards)
+        rep = self.report(micro_batch, seq_shards, dtype_bytes)
         stages = ", ".join(f"{a}-{b}" for a, b in self.stages)
         lines = [f"pipeline: {self.pp} ranks x {self.virtual_stages} virtual stages, blocks "
                  f"{stages}; transfer {self.transfer}"]
@@ -177,6 +181,20 @@ def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
                "bound": stage_state.lower_bound(pattern, b)}
               for b, r, o in zip(boundaries, raw, optimal, strict=True)]
     return PipelinePlan(cfg, pattern, pp, virtual_stages, transfer, stages, programs, counts)
+
+
+def resolved_dtype(cfg, device: str = "cuda") -> str:
+    """"bf16" or "fp32": `train.dtype`, with auto as the trainer resolves it on `device`."""
+    if cfg.train.dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return cfg.train.dtype
+
+
+def boundary_dtype_bytes(cfg, device: str = "cuda") -> int:
+    """Bytes per element of the tensors crossing a stage boundary: 2 when the run computes
+    in bf16 and `parallel.pipeline_dtype` is compute, else 4 (fp32)."""
+    compute = cfg.parallel.pipeline_dtype == "compute" and resolved_dtype(cfg, device) == "bf16"
+    return 2 if compute else FP32_BYTES
 
 
 def micro_batch_size(cfg, world_size: int | None = None) -> int:
@@ -237,7 +255,10 @@ def _vocab_from_data(path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = config_parser("python -m parallel.plan", __doc__).parse_args(argv)
+    parser = config_parser("python -m parallel.plan", __doc__)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="what train.dtype=auto resolves to (default cuda: bf16)")
+    args = parser.parse_args(argv)
     try:
         cfg, model = load_run(args)
         p = cfg.parallel
@@ -246,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     micro_batch = micro_batch_size(cfg, args.world_size)
+    dtype_bytes = boundary_dtype_bytes(cfg, args.device)
     if args.json:
-        print(json.dumps(plan.report(micro_batch)))
+        print(json.dumps(plan.report(micro_batch, dtype_bytes=dtype_bytes)))
     else:
-        print("\n".join(plan.describe(micro_batch)))
+        print("\n".join(plan.describe(micro_batch, dtype_bytes=dtype_bytes)))
     return 0
 
 

@@ -34,8 +34,6 @@ from pretrain.model.denseformer import (
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init
 
-BOUNDARY_DTYPE = torch.float32  # parallel.plan.BOUNDARY_DTYPE_BYTES
-
 
 class StageModel(nn.Module):
     """The parameters of the stages in `programs` (one pipeline rank), single-process names."""
@@ -94,11 +92,13 @@ class StageModule(nn.Module):
     """One (virtual) pipeline stage over a StageModel's parameters."""
 
     def __init__(self, model: StageModel, program: StageProgram,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False,
+                 boundary_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.model = model
         self.program = program
         self.activation_checkpointing = activation_checkpointing
+        self.boundary_dtype = boundary_dtype  # what this stage sends (parallel.pipeline_dtype)
 
     def _block_fn(self, i: int):
         block = self.model.block(i)
@@ -113,6 +113,10 @@ class StageModule(nn.Module):
         if program.is_first:
             x[0] = model.embed(received[0])
         else:
+            # Back to the residual stream's dtype (the parameters': fp32 under autocast, bf16
+            # in DeepSpeed's bf16 module) on receipt, so that only the boundary rounds.
+            stream = next(model.parameters()).dtype
+            received = tuple(t.to(stream) for t in received)
             for item, tensor in zip(program.incoming, received, strict=True):
                 (x if item.kind == "x" else sums)[item.index] = tensor
         blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
@@ -122,5 +126,5 @@ class StageModule(nn.Module):
             return model.local_logits(out, seq_first=True)
         # A tensor passed on unchanged gets its own autograd node, so that the schedule's
         # backward sees an output distinct from its input.
-        return tuple(t.view_as(t) if any(t is r for r in received) else t.to(BOUNDARY_DTYPE)
-                     for t in out)
+        return tuple(t.to(self.boundary_dtype) if t.dtype != self.boundary_dtype
+                     else t.view_as(t) if any(t is r for r in received) else t for t in out)

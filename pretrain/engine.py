@@ -6,8 +6,9 @@ An `Engine` is two independent choices, made once by `build_engine`:
   (`LocalForward`, tensor-parallel shards inside it) or this rank's pipeline stages under
   their schedule (`PipelineForward`, parallel/pipeline.py);
 - the **update** turns the accumulated gradients into new weights: our AdamW with the
-  data-parallel mean taken here (`AdamWUpdate`) or DeepSpeed's ZeRO engine, which reduces,
-  clips and steps itself (`ZeroUpdate`, parallel/zero.py).
+  data-parallel mean taken by torch's DDP during the backward (parallel/ddp.py) or, with
+  `parallel.dp_reduction: flat`, in one all-reduce after it (`AdamWUpdate`), or DeepSpeed's
+  ZeRO engine, which reduces, clips and steps itself (`ZeroUpdate`, parallel/zero.py).
 
 The trainer calls `forward_backward`, `update`, `eval_model`, `sharded_state` and
 `load_sharded_state` and never asks which combination it holds. State goes in and out under
@@ -18,6 +19,7 @@ other; this is the one place checkpoints meet the strategies.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -25,31 +27,44 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.compile import apply_compile
+from parallel.ddp import BUCKET_CAP_MB
 from parallel.layout import Layout, average_gradients, gradient_norm
 from parallel.tensor import allreduce_sequence_parallel_grads
 
 
 class AdamWUpdate:
-    """Our AdamW: DP mean of the gradients, global norm, clipping, a step unless non-finite."""
+    """Our AdamW: DP mean of the gradients, global norm, clipping, a step unless non-finite.
+
+    The DP mean is taken during the backward by torch DDP when `ddp` (a `parallel.ddp.DDPLoss`
+    the micro-batches run through) is given or `reduced_in_backward` says the pipeline's
+    stages are DDP modules; otherwise here, in one flat all-reduce after the backward."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
-                 grad_clip: float):
+                 grad_clip: float, ddp=None, reduced_in_backward: bool = False):
         self.model, self.optimizer = model, optimizer
         self.layout, self.grad_clip = layout, grad_clip
+        self.ddp = ddp
+        self.reduced_in_backward = reduced_in_backward or ddp is not None
 
     @property
     def loss_module(self):
-        return self.model
+        return self.ddp or self.model
 
     @property
     def eval_module(self):
         return self.model
 
+    def micro_batch(self, last: bool):
+        """The context of one micro-batch's forward and backward."""
+        return self.ddp.micro_batch(last) if self.ddp else contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor, microbatches: int) -> None:
         (loss / microbatches).backward()
 
     def update(self) -> float:
-        average_gradients(self.model, self.layout)
+        if not self.reduced_in_backward:
+            average_gradients(self.model, self.layout)
         norm = gradient_norm(self.model, self.layout).item()
         if math.isfinite(norm):
             if self.grad_clip > 0:
@@ -57,7 +72,9 @@ class AdamWUpdate:
                     self.model.parameters(), self.grad_clip,
                     torch.tensor(norm, device=self.layout.device))
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP's gradients are views into its buckets: zeroed in place, they stay there (set
+        # to None, the next backward would allocate new ones and copy them in).
+        self.optimizer.zero_grad(set_to_none=not self.reduced_in_backward)
         return norm
 
     def sharded_state(self) -> dict:
@@ -87,6 +104,9 @@ class ZeroUpdate:
     @property
     def eval_module(self):
         return self.zero.module  # through DeepSpeed's hooks too
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext()  # DeepSpeed reduces when its step says
 
     def backward(self, loss: torch.Tensor, microbatches: int) -> None:
         self.zero.backward(loss)  # scales by 1 / microbatches itself
@@ -126,9 +146,11 @@ class LocalForward:
 
     def forward_backward(self, tokens, targets, microbatches: int, update) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=tokens.device)
-        for t, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True):
-            loss = update.loss_module.loss(t, y)
-            update.backward(loss, microbatches)
+        parts = zip(tokens.chunk(microbatches), targets.chunk(microbatches), strict=True)
+        for k, (t, y) in enumerate(parts):
+            with update.micro_batch(last=k == microbatches - 1):
+                loss = update.loss_module.loss(t, y)
+                update.backward(loss, microbatches)
             total += loss.detach().double()
         return total
 
@@ -159,9 +181,10 @@ class Engine:
     """One rank's model, optimizer and step, behind one interface (see the module doc)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, forward, update,
-                 layout: Layout):
+                 layout: Layout, reduction: str = "none"):
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.forward, self.update_rule = forward, update
+        self.reduction = reduction  # dp_reduction's answer
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -201,7 +224,15 @@ class Engine:
         self.update_rule.load_sharded(path, manifest, weights_only=True, fill=fill)
 
     def describe(self) -> list[str]:
-        return self.forward.describe()
+        """Log lines: the data-parallel reduction, then the pipeline's (if any)."""
+        lines = {"ddp": f"data-parallel gradients: torch DDP, buckets of {BUCKET_CAP_MB} MB "
+                        "reduced during the backward",
+                 "flat": "data-parallel gradients: one flat all-reduce after the backward "
+                         "(parallel.dp_reduction=flat, or interleaved pipeline stages, which "
+                         "share parameters)",
+                 "zero": "data-parallel gradients: DeepSpeed ZeRO"}
+        head = [lines[self.reduction]] if self.reduction in lines else []
+        return head + self.forward.describe()
 
 
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
@@ -210,6 +241,8 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     from pretrain.optim import build_optimizer
 
     p = cfg.parallel
+    reduction = dp_reduction(cfg, layout)
+    ddp = None
     if layout.pp > 1:
         from parallel.pipeline import PipelineRunner
 
@@ -218,8 +251,11 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
             model_cfg, microbatches=p.microbatches, micro_batch=local_batch // p.microbatches,
             virtual_stages=p.virtual_stages, pp_split=p.pp_split, transfer=p.pp_transfer,
             seed=cfg.train.seed, device=layout.device, sequence_parallel=p.sequence_parallel,
-            activation_checkpointing=p.activation_checkpointing == "block")
+            activation_checkpointing=p.activation_checkpointing == "block",
+            ddp_group=layout.dp_group if reduction == "ddp" else None,
+            boundary_dtype=dtype if p.pipeline_dtype == "compute" else torch.float32)
         model, forward = runner.model, PipelineForward(runner)
+        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
     else:
         from parallel.checkpointing import apply_activation_checkpointing
         from pretrain.model import DenseFormer
@@ -227,12 +263,33 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
                             sequence_parallel=p.sequence_parallel).to(layout.device)
         apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
+        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
         forward = LocalForward(model)
+        if reduction == "ddp":
+            from parallel.ddp import DDPLoss
+
+            ddp = DDPLoss(model, layout.dp_group)
     optimizer = build_optimizer(model, cfg.optim)
     if p.zero_stage:
         from parallel.zero import ZeroEngine
 
         update = ZeroUpdate(ZeroEngine(model, optimizer, cfg, dtype=dtype))
     else:
-        update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip)
-    return Engine(model, optimizer, forward, update, layout)
+        update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip, ddp,
+                             reduced_in_backward=reduction == "ddp")
+    return Engine(model, optimizer, forward, update, layout, reduction)
+
+
+def dp_reduction(cfg, layout: Layout) -> str:
+    """How this run averages gradients over data parallelism: "ddp" (torch DDP, during the
+    backward), "flat" (one all-reduce after it), "zero" (DeepSpeed) or "none" (DP = 1).
+    `parallel.dp_reduction: ddp` falls back to flat for interleaved pipeline stages, whose
+    stage modules share parameters (parallel/ddp.py)."""
+    p = cfg.parallel
+    if p.zero_stage:
+        return "zero"
+    if layout.dp == 1:
+        return "none"
+    if p.dp_reduction == "ddp" and layout.pp > 1 and p.virtual_stages > 1:
+        return "flat"
+    return p.dp_reduction

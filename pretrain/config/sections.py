@@ -68,6 +68,11 @@ class TrainSection:
     # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
     max_consecutive_skips: int = ranged(10, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
+    # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
+    # to check a model traces without generating code.
+    compile: Literal["none", "blocks", "model"] = "none"
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -78,6 +83,10 @@ class ParallelSection:
     microbatches: int = ranged(1, ge=1, also="divides train.batch_size; with virtual_stages "
                                              "> 1, a multiple of pp or < 2 x pp")
     zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
+    # Without ZeRO, how gradients are averaged over data parallelism: torch DDP, in buckets
+    # during the backward (interleaved pipelines fall back to flat), or one flat all-reduce
+    # after the backward (parallel/ddp.py).
+    dp_reduction: Literal["ddp", "flat"] = "ddp"
     sequence_parallel: bool = False
     # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
     # per stage in order (null: balanced), and what crosses stage boundaries.
@@ -85,6 +94,9 @@ class ParallelSection:
                                                     "model.n_layers")
     pp_split: list[int] | None = None
     pp_transfer: Literal["optimal", "raw"] = "optimal"
+    # The dtype of the tensors crossing a stage boundary (both directions): the compute
+    # dtype (bf16 under bf16 autocast: half the traffic; widened back on receipt) or fp32.
+    pipeline_dtype: Literal["compute", "fp32"] = "compute"
     # Activation checkpointing (parallel/checkpointing.py): recompute units of
     # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
     activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"

@@ -1,0 +1,40 @@
+"""`train.compile`: torch.compile applied to the model the engine trains.
+
+- `blocks`: every transformer block is compiled in place (`nn.Module.compile`, so parameter
+  names and checkpoints do not change), as torchtitan does: one graph per block shape,
+  reused by all blocks; the DWAs, the embedding and the head stay eager. Works inside
+  pipeline stages and under activation checkpointing (the checkpoint wraps the compiled
+  block).
+- `model`: the whole loss (embedding, blocks, DWAs, head, cross entropy) as one graph per
+  micro-batch shape. Under the compiler the model takes the functional DWA
+  (`pretrain.model.denseformer.DenseFormer.run_blocks`: stack + tensordot, which the
+  compiler fuses) instead of the eager buffered one, whose custom autograd functions write
+  into preallocated buffers. Not with pipeline stages (the schedule runs each stage).
+
+Both refuse ZeRO-3 before launch (pretrain/config/validation.py). Tensor-parallel
+collectives (megatron-core's, through torch.distributed) split the graph where they are,
+which costs graph breaks, not correctness; parallel/megatron_compat.py removes the one
+megatron-core call that dynamo cannot trace (`warnings.warn` in RowParallelLinear).
+Compilation happens at the first step (tens of seconds on CPU with inductor).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def apply_compile(model: nn.Module, mode: str, backend: str) -> None:
+    """Compile `model`'s blocks (`blocks`) or its `loss` (`model`) in place; `none`: nothing.
+    `model` is a DenseFormer or a pipeline StageModel (blocks only)."""
+    if mode == "none":
+        return
+    if mode == "blocks":
+        blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) \
+            else model.blocks
+        for block in blocks:
+            block.compile(backend=backend)
+    elif mode == "model":
+        model.loss = torch.compile(model.loss, backend=backend)
+    else:
+        raise ValueError(f"train.compile must be none, blocks or model, got {mode!r}")
