@@ -63,8 +63,11 @@ def failures(study: Study) -> list[tuple[str, str, str]]:
             why += f"; Slurm task exit status {exit_status}"
         rows.append((run.name, run.status, why))
     for name in study.never_started:
-        rows.append((name, "NEVER STARTED", "in the sweep manifest, no MLflow run: still "
-                     "queued, or cancelled (a dependent run whose parent failed)"))
+        if name in study.logs:  # failed before training opened its MLflow run
+            rows.append((name, "FAILED", f"no MLflow run; its Slurm log: {study.logs[name]}"))
+        else:
+            rows.append((name, "NEVER STARTED", "in the sweep manifest, no MLflow run: still "
+                         "queued, or cancelled (a dependent run whose parent failed)"))
     return rows
 
 
@@ -295,6 +298,17 @@ def build_report(study: Study, baseline: str) -> tuple[str, dict]:
     return page(f"Study report: {study.experiment}", body), summary
 
 
+def _finite(value):
+    """The summary with nan and inf as null, so that report.json is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def cmd_report(args) -> int:
     """`python -m slurm report`: read the experiment, write report.html and report.json."""
     from mlflow.exceptions import MlflowException
@@ -318,7 +332,8 @@ def cmd_report(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.html").write_text(html_text)
-    (out / "report.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    (out / "report.json").write_text(json.dumps(_finite(summary), indent=1, default=float)
+                                     + "\n")
     for name, status, why in failures(study):
         print(f"not finished: {name}: {status}: {why}", file=sys.stderr)
     print(f"wrote {out / 'report.html'} ({len(study.runs)} runs, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -61,6 +62,19 @@ class Study:
     runs: list[StudyRun]
     never_started: list[str]  # manifest runs without an MLflow run
     manifest: dict[str, Any] | None
+    logs: dict[str, str] = field(default_factory=dict)  # run -> its Slurm log's last status
+
+
+def last_status_line(sweep_dir: Path, index: int) -> str | None:
+    """The last "training exited with status N" of the Slurm log of manifest run `index`
+    (<sweep dir>/logs/<sweep>-<job>_<index>.out), naming the log; None without one."""
+    logs = sorted((sweep_dir / "logs").glob(f"*_{index}.out"), key=lambda p: p.stat().st_mtime)
+    for log in reversed(logs):
+        lines = [line for line in log.read_text(errors="replace").splitlines()
+                 if "training exited with status" in line]
+        if lines:
+            return f"{lines[-1].split('] ')[-1]} ({log})"
+    return None
 
 
 def _median_history(client, run_id: str, key: str) -> float | None:
@@ -101,6 +115,7 @@ def _read_run(client, run, tmp: Path) -> StudyRun:
 
 def load_study(client, experiment: str, uri: str, sweep: str | None = None) -> Study:
     """Every run of `experiment` (only those tagged sweep_id=`sweep` if given)."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one per file
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ReportError(f"--experiment: no experiment named {experiment!r} in {uri}")
@@ -123,8 +138,12 @@ def load_study(client, experiment: str, uri: str, sweep: str | None = None) -> S
     if path and Path(path).is_file():
         manifest = json.loads(Path(path).read_text())
     seen = {r.name for r in runs}
-    never = [entry["name"] for entry in (manifest or {}).get("runs", [])
-             if entry["name"] not in seen]
+    never = [entry for entry in (manifest or {}).get("runs", []) if entry["name"] not in seen]
     if not runs and not never:
         raise ReportError(f"experiment {experiment!r} in {uri} holds no runs")
-    return Study(experiment, uri, runs, never, manifest)
+    logs = {}
+    for entry in never:
+        line = last_status_line(Path(path).parent, entry.get("index", -1))
+        if line:
+            logs[entry["name"]] = line
+    return Study(experiment, uri, runs, [e["name"] for e in never], manifest, logs)

@@ -105,9 +105,6 @@ def test_report_picks_best_lr_and_pairs_by_seed(store, capsys):
     assert "tiny_mc/acc" in page and "abc123def456" in page
     assert "syn-never-started" in capsys.readouterr().err
 
-
-def test_report_of_a_missing_experiment_exits_2(store, capsys):
-    uri, tmp_path = store
     assert main(["report", "--experiment", "nope", "--tracking-uri", uri,
                  "--out", str(tmp_path / "r")]) == 2
     assert "no experiment named 'nope'" in capsys.readouterr().err
