@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from slurm.report_data import StudyRun
+from slurm.sweep_axes import si_format
 
 CONFIG_KEYS = ("architecture", "n_layers", "d_model", "D", "lr", "warmup", "from")
 TUNED_KEYS = ("lr", "warmup")
@@ -49,7 +50,7 @@ def label(config: tuple[tuple[str, str], ...], skip: tuple[str, ...] = ()) -> st
         elif key == "d_model":
             parts.append(f"W{value}")
         elif key == "D":
-            parts.append(f"D{float(value):.3g}")
+            parts.append(f"D{si_format(float(value))}")
         else:
             parts.append(f"{key}={value}")
     return " ".join(parts)

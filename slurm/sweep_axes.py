@@ -80,3 +80,11 @@ def parse_architecture(item: Any, key: str = "grid.architecture") -> Architectur
                             own["warmup"])
     raise SweepError(f"{key}: cannot read {item!r}; known keys of a mapping: "
                      f"{sorted(ARCHITECTURE_KEYS)}")
+
+
+def si_format(value: float) -> str:
+    """3 significant digits and a suffix: 5120 -> "5.12k", 2e9 -> "2G"."""
+    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"

@@ -47,6 +47,7 @@ from slurm.sweep_axes import (
     check_name,
     number_list,
     parse_architecture,
+    si_format,
 )
 from slurm.sweep_errors import SweepError
 from slurm.sweep_shapes import matched_shapes, parse_shapes
@@ -110,14 +111,6 @@ class Sweep:
     slurm: dict[str, Any]
     runs: list[RunSpec]
     lm_eval: dict[str, Any] | None = None  # downstream tasks after each run
-
-
-def _si(value: float) -> str:
-    """3 significant digits and a suffix: 5120 -> "5.12k", 2e9 -> "2G"."""
-    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -203,7 +196,7 @@ class RunContext:
         steps = max(1, round(target_tokens / tokens_per_step))
         run_tokens = steps * tokens_per_step
         run_name = "-".join(
-            [prefix, f"L{model.n_layers}", f"W{model.d_model}", f"D{_si(run_tokens)}",
+            [prefix, f"L{model.n_layers}", f"W{model.d_model}", f"D{si_format(run_tokens)}",
              f"s{seed}"] + ([f"lr{axes['lr']:g}"] if "lr" in axes else [])
             + ([f"wu{axes['warmup']:g}"] if "warmup" in axes else []))
         check_name(run_name, "run name", RUN_NAME_PATTERN)

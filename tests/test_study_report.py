@@ -85,7 +85,7 @@ def test_report_picks_best_lr_and_pairs_by_seed(store, capsys):
     assert paired["high"] == pytest.approx(paired["mean"] + half, rel=1e-6)
 
     config = {c["config"]: c for c in summary["configurations"]}
-    transformer = config["transformer L2 W32 D5.12e+03 lr=0.001"]
+    transformer = config["transformer L2 W32 D5.12k lr=0.001"]
     losses = [3.00 + SEED_SHIFT[s] for s in SEEDS]
     assert transformer["seeds"] == 3
     assert transformer["mean"] == pytest.approx(statistics.fmean(losses))
