@@ -108,3 +108,29 @@ def test_report_picks_best_lr_and_pairs_by_seed(store, capsys):
     assert main(["report", "--experiment", "nope", "--tracking-uri", uri,
                  "--out", str(tmp_path / "r")]) == 2
     assert "no experiment named 'nope'" in capsys.readouterr().err
+
+
+def test_report_fits_laws_and_the_multiplier_of_the_best_lr_runs():
+    """Runs on exact power laws, DenseFormer as good as the Transformer with 1.5x the
+    compute; a worse learning rate per size must not enter the fit."""
+    from slurm.report import build_report
+    from slurm.report_data import Study, StudyRun
+
+    runs = []
+    for arch, gain in (("transformer", 1.0), ("denseformer-1x1", 1.5)):
+        for width, compute in ((16, 1e9), (32, 1e10), (64, 1e11)):
+            for lr, worse in ((1e-3, 0.0), (1e-2, 0.3)):
+                loss = 40 * (gain * compute) ** -0.05 + worse
+                runs.append(StudyRun(
+                    run_id=f"{arch}{width}{lr}", name=f"{arch}-W{width}-lr{lr:g}",
+                    status="FINISHED", params={"train.seed": "0"}, metrics={"val_loss": loss},
+                    tags={"architecture": arch, "N": str(compute / 6e6), "D": "1e6",
+                          "C": str(compute), "grid.n_layers": "2", "grid.d_model": str(width),
+                          "grid.seed": "0", "grid.lr": f"{lr:g}"}))
+    page, summary = build_report(Study("s", "sqlite://", runs, [], None), "transformer")
+    assert summary["laws"]["transformer"]["alpha"] == pytest.approx(0.05, rel=1e-6)
+    (middle,) = [m for m in summary["multipliers"]["denseformer-1x1"]
+                 if m["compute"] == pytest.approx(1e10)]
+    assert middle["value"] == pytest.approx(1.5, rel=1e-6)
+    assert {b["lr"] for b in summary["best_lr"]} == {"0.001"}
+    assert "Scaling laws and compute multiplier" in page
