@@ -133,11 +133,15 @@ def tuning_section(tunings: list[Tuning]) -> str:
         tried = ", ".join(f"{label(s.config, ('architecture', 'n_layers', 'd_model', 'D', 'from'))}"
                           f": {s.mean:.4f}" for s in sorted(t.members, key=lambda s: s.mean))
         best = dict(t.best.config)
-        rows.append((label(t.group), best.get("lr", "—"), best.get("warmup", "—"),
-                     f"{t.best.mean:.4f}", tried))
+        lrs = sorted({float(dict(s.config)["lr"]) for s in t.members if "lr" in dict(s.config)})
+        edge = len(lrs) >= 3 and "lr" in best and float(best["lr"]) in (lrs[0], lrs[-1])
+        rows.append((label(t.group), best.get("lr", "—") + (" (edge of the grid)" if edge
+                                                             else ""),
+                     best.get("warmup", "—"), f"{t.best.mean:.4f}", tried))
     parts = [paragraph("Each architecture (at each shape and budget) is compared at its own "
                        "best learning rate (and warm-up): the lowest mean final validation "
-                       "loss over seeds."),
+                       "loss over seeds. A best lr at the edge of its grid says: extend the "
+                       "grid before trusting the comparison."),
              table(["architecture and shape", "best lr", "best warm-up", "val loss",
                     "tried (best first)"], rows, numeric=(1, 2, 3))]
     if all("lr" in dict(s.config) for t in tuned for s in t.members):
