@@ -308,9 +308,9 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
         cfg = _resolve_config(base, [("set", common)], context.cli_overrides, "grid.params")
         shapes = matched_shapes(grid, cfg.model.with_vocab(
             cfg.model.vocab_size or _data_vocab(cfg.data.path) or cfg.model.vocab_pad_multiple))
-    for arch, seed in itertools.product(archs, seeds):
-        for lr, warmup in itertools.product(arch.lrs or lrs or [None],
-                                            arch.warmups or warmups or [None]):
+    for arch in archs:  # run order as before per-architecture grids: arch, lr, seed
+        for lr, warmup, seed in itertools.product(arch.lrs or lrs or [None],
+                                                  arch.warmups or warmups or [None], seeds):
             candidates = []  # (shape, cfg, model, vocab, N)
             for shape in shapes:
                 cfg, model, vocab = context.resolve(arch, shape, lr, f"{arch.name} {shape}")
