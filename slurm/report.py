@@ -224,7 +224,8 @@ def cost_section(runs: list[StudyRun]) -> str:
         rows.append((run.name, num(cost.tokens_per_s), num(cost.step_seconds, 3),
                      f"{cost.mfu:.1%}" if cost.mfu is not None else "—",
                      size(cost.train_bytes.get("none")), size(cost.train_bytes.get("block")),
-                     size(cost.kv_cache_bytes), size(cost.dwa_decode_bytes)))
+                     size(cost.kv_cache_bytes), size(cost.dwa_decode_bytes),
+                     num(cost.prefill_tokens_per_s), num(cost.decode_tokens_per_s)))
         if cost.note:
             notes.append(f"{run.name}: {cost.note}")
     return section(
@@ -233,9 +234,12 @@ def cost_section(runs: list[StudyRun]) -> str:
                   "Estimated (parallel.memory, parallel.inference_memory) from the run's "
                   "config at one data-parallel rank: training memory of the fullest rank "
                   "without and with block activation checkpointing; for generation at batch "
-                  "1 and the full context, the KV cache and the DWA state of a decode step."),
+                  "1 and the full context, the KV cache and the DWA state of a decode step. "
+                  "Generation speed: measured after training when the sweep has inference: "
+                  "(slurm/inference_speed.py)."),
         table(["run", "tokens/s", "step s", "MFU", "train mem", "train mem (ckpt)",
-               "KV cache", "DWA decode state"], rows, numeric=range(1, 8)),
+               "KV cache", "DWA decode state", "prefill tok/s", "decode tok/s"], rows,
+              numeric=range(1, 10)),
         "".join(paragraph(n) for n in notes))
 
 

@@ -1,7 +1,9 @@
 """Cost figures of a study's runs: measured speed from MLflow, memory from the estimators.
 
 Measured (each run's own metrics, medians over its steps after the first two): tokens per
-second, the step time it implies (batch x seq_len / tokens per second) and MFU. Estimated
+second, the step time it implies (batch x seq_len / tokens per second) and MFU; and when the
+sweep had `inference:`, generation speed (prefill and decode tokens per second,
+slurm/inference_speed.py). Estimated
 from the run's resolved config (`parallel.memory`, `parallel.inference_memory`, the same
 estimators as `python -m parallel.memory`): training memory of the fullest rank without and
 with block activation checkpointing, and for generation at batch 1 and the full context the
@@ -26,6 +28,8 @@ class Cost:
     train_bytes: dict[str, float]  # activation checkpointing mode -> fullest rank's bytes
     kv_cache_bytes: float | None
     dwa_decode_bytes: float | None
+    prefill_tokens_per_s: float | None = None  # measured by slurm/inference_speed.py
+    decode_tokens_per_s: float | None = None
     note: str = ""
 
 
@@ -51,7 +55,9 @@ def cost_of(run: StudyRun) -> Cost:
     batch, seq = run.params.get("train.batch_size"), run.params.get("model.seq_len")
     if tokens_per_s and batch and seq:
         step = int(batch) * int(seq) / tokens_per_s
-    cost = Cost(tokens_per_s, step, mfu, {}, None, None)
+    cost = Cost(tokens_per_s, step, mfu, {}, None, None,
+                run.metrics.get("inference/prefill_tokens_per_s"),
+                run.metrics.get("inference/decode_tokens_per_s"))
     if run.config_text is None:
         cost.note = "no config.yaml artifact: no memory estimate"
         return cost

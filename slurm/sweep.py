@@ -102,7 +102,7 @@ def manifest_of(sweep: Sweep) -> dict:
     return {
         "format": 1, "sweep": sweep.name, "source": str(sweep.path), "base": str(sweep.base),
         "experiment": sweep.experiment, "tracking_uri": sweep.tracking_uri,
-        "lm_eval": sweep.lm_eval,
+        "lm_eval": sweep.lm_eval, "inference": sweep.inference,
         "runs": [{"index": r.index, "name": r.name, "architecture": r.architecture,
                   "config": f"configs/{r.name}.yaml", "run_dir": r.config.run.dir,
                   "N": r.n_params, "D": r.tokens, "C": r.compute, "C_model": r.model_flops,
@@ -220,6 +220,7 @@ class SweepTask:
     tracking_uri: str
     experiment: str
     lm_eval: dict | None = None
+    inference: dict | None = None
 
 
 def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
@@ -239,7 +240,8 @@ def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
     return SweepTask(sweep=manifest["sweep"], name=name,
                      config_path=sweep_dir / run["config"], run_dir=Path(run["run_dir"]),
                      tags=dict(run["tags"]), tracking_uri=manifest["tracking_uri"],
-                     experiment=manifest["experiment"], lm_eval=manifest.get("lm_eval"))
+                     experiment=manifest["experiment"], lm_eval=manifest.get("lm_eval"),
+                     inference=manifest.get("inference"))
 
 
 def find_run_id(task: SweepTask, client) -> str | None:
@@ -284,19 +286,23 @@ def tag_finished_task(task: SweepTask, status: int) -> None:
               f"{type(err).__name__}: {err}", file=sys.stderr)
 
 
-def score_downstream(task: SweepTask, env: dict) -> int:
-    """Run the sweep's lm-eval tasks on a finished run's checkpoint (`python -m pretrain
-    lm-eval`, which logs `lm_eval/<task>/<metric>` to the run); its exit status, which is
-    reported but does not fail the training task."""
-    from slurm.sweep_stages import lm_eval_command
+def after_training(task: SweepTask, env: dict) -> dict[str, str]:
+    """Run what the sweep asks for on a finished run (lm-eval tasks, the inference speed;
+    both log to the run's MLflow run); {status tag: exit status}. A failure is reported and
+    tagged but does not fail the training task."""
+    from slurm.sweep_stages import follow_up_commands
 
     gpus = env.get("SLURM_GPUS_ON_NODE") or env.get("CUDA_VISIBLE_DEVICES", "")
     device = "cuda" if gpus and gpus not in ("0", "-1", "NoDevFiles") else "cpu"
-    command = [sys.executable, "-m", "pretrain",
-               *lm_eval_command(task.lm_eval, task.run_dir, device)]
-    print(f"launcher: downstream tasks: {shlex.join(command)}", file=sys.stderr, flush=True)
-    status = subprocess.run(command, env=env).returncode
-    if status != 0:
-        print(f"launcher: warning: lm-eval on {task.name} exited {status}; the run's scores "
-              "are missing from the report", file=sys.stderr, flush=True)
-    return status
+    statuses = {}
+    for tag, arguments in follow_up_commands(task.lm_eval, task.inference, task.run_dir,
+                                             device).items():
+        command = [sys.executable, *arguments]
+        print(f"launcher: after training: {shlex.join(command)}", file=sys.stderr, flush=True)
+        status = subprocess.run(command, env=env).returncode
+        if status != 0:
+            print(f"launcher: warning: {shlex.join(arguments[:2])} on {task.name} exited "
+                  f"{status}; its figures are missing from the report", file=sys.stderr,
+                  flush=True)
+        statuses[tag] = str(status)
+    return statuses

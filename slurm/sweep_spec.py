@@ -16,6 +16,7 @@ A sweep file (see configs/sweeps/) names a base training config and a grid:
       warmup: [0.02, 0.1]           # optional: warm-up fractions, an axis like lr
     continue: {...}                 # optional dependent stage (slurm/sweep_stages.py)
     lm_eval: {tasks: [...]}         # optional: downstream tasks after each run (sweep_stages)
+    inference: {batch: 1}           # optional: generation speed after each run (sweep_stages)
     slurm: {nodes: 1, nproc_per_node: 1, cpus_per_task: 1, time: "00:10:00", max_parallel: 2}
 
 Budgets: `tokens` fixes D; `tokens_per_param: r` sets D = r * N; `compute: C` gives each
@@ -51,10 +52,10 @@ from slurm.sweep_axes import (
 )
 from slurm.sweep_errors import SweepError
 from slurm.sweep_shapes import matched_shapes, parse_shapes
-from slurm.sweep_stages import continuation_runs, lm_eval_settings
+from slurm.sweep_stages import continuation_runs, inference_settings, lm_eval_settings
 
 TOP_KEYS = {"name", "base", "set", "warmup_fraction", "grid", "slurm", "experiment",
-            "tracking_uri", "out", "continue", "lm_eval"}
+            "tracking_uri", "out", "continue", "lm_eval", "inference"}
 GRID_KEYS = {"architecture", "shape", "depth", "width", "head_dim", "params", "tokens",
              "tokens_per_param", "compute", "seed", "lr", "warmup"}
 SLURM_DEFAULTS: dict[str, Any] = {
@@ -111,6 +112,7 @@ class Sweep:
     slurm: dict[str, Any]
     runs: list[RunSpec]
     lm_eval: dict[str, Any] | None = None  # downstream tasks after each run
+    inference: dict[str, int] | None = None  # generation speed after each run
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -342,8 +344,9 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                          "round to the same number of steps?); make the grid values distinct")
     return Sweep(name=name, path=path, base=base, experiment=experiment,
                  tracking_uri=runs[0].config.tracking.uri if runs else None, out=out_dir,
-                 slurm=slurm, runs=runs, lm_eval=lm_eval_settings(data.get("lm_eval"),
-                                                                  path.parent))
+                 slurm=slurm, runs=runs,
+                 lm_eval=lm_eval_settings(data.get("lm_eval"), path.parent),
+                 inference=inference_settings(data.get("inference")))
 
 
 def _data_vocab(data_path: str | None) -> int | None:

@@ -27,6 +27,11 @@ as `lm_eval/<task>/<metric>`:
 
 `include_path` (a folder of task YAMLs, relative to the sweep file) is optional, as are
 `limit` (examples per task) and `num_fewshot`.
+
+Generation speed (slurm/inference_speed.py) is measured the same way, after training, and
+logged as `inference/prefill_tokens_per_s` and `inference/decode_tokens_per_s`:
+
+    inference: {batch: 1, prompt: 16, new_tokens: 16, rounds: 3}
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from slurm.sweep_errors import SweepError
 CONTINUE_KEYS = {"from", "grid", "set"}
 CONTINUE_GRID_KEYS = {"architecture", "tokens", "lr", "warmup"}
 LM_EVAL_KEYS = {"tasks", "include_path", "limit", "batch_size", "num_fewshot"}
+INFERENCE_DEFAULTS = {"batch": 1, "prompt": 32, "new_tokens": 32, "rounds": 3}
 
 
 def _matches(values: dict[str, Any], architecture: str, wanted: dict[str, Any]) -> bool:
@@ -137,3 +143,32 @@ def lm_eval_command(settings: dict[str, Any], run_dir: str | Path, device: str) 
         if key in settings:
             command += [f"--{key}", str(settings[key])]
     return command
+
+
+def inference_settings(spec: Any) -> dict[str, int] | None:
+    """The sweep's `inference:` section with its defaults; None if absent."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or set(spec) - set(INFERENCE_DEFAULTS):
+        raise SweepError(f"inference: expected a mapping of {sorted(INFERENCE_DEFAULTS)}, got "
+                         f"{spec!r}")
+    settings = {**INFERENCE_DEFAULTS, **spec}
+    for key, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SweepError(f"inference.{key}: expected a positive integer, got {value!r}")
+    return settings
+
+
+def follow_up_commands(lm_eval: dict[str, Any] | None, inference: dict[str, int] | None,
+                       run_dir: str | Path, device: str) -> dict[str, list[str]]:
+    """{tag: python arguments} of what runs on a run after it trained: lm-eval and the
+    inference speed; each tag later holds the command's exit status."""
+    commands = {}
+    if lm_eval:
+        commands["lm_eval_status"] = ["-m", "pretrain", *lm_eval_command(lm_eval, run_dir,
+                                                                         device)]
+    if inference:
+        commands["inference_status"] = [
+            "-m", "slurm.inference_speed", "--run", str(run_dir),
+            *[x for k, v in inference.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+    return commands

@@ -14,7 +14,7 @@ import yaml
 from slurm.sweep import manifest_of, sbatch_command
 from slurm.sweep_shapes import matched_width, parse_count
 from slurm.sweep_spec import SweepError, expand
-from slurm.sweep_stages import lm_eval_command
+from slurm.sweep_stages import follow_up_commands, lm_eval_command
 from tests.conftest import ROOT
 
 STUDIES = ROOT / "configs/studies"
@@ -166,4 +166,21 @@ def test_lm_eval_settings_reach_the_manifest_and_the_command(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(SweepError, match="lm_eval.include_path"):
+        expand(path, [], out=tmp_path / "out")
+
+
+def test_inference_settings_become_the_speed_command(tmp_path):
+    sweep = expand(STUDIES / "cost-tiny.yaml", [], out=tmp_path / "out")
+    assert manifest_of(sweep)["inference"] == {"batch": 1, "prompt": 16, "new_tokens": 16,
+                                               "rounds": 3}
+    commands = follow_up_commands(None, sweep.inference, "/runs/x", "cpu")
+    assert commands == {"inference_status": [
+        "-m", "slurm.inference_speed", "--run", "/runs/x", "--batch", "1", "--prompt", "16",
+        "--new-tokens", "16", "--rounds", "3"]}
+    spec = yaml.safe_load((STUDIES / "cost-tiny.yaml").read_text())
+    spec["base"] = str(ROOT / "configs/tiny.yaml")
+    spec["inference"] = {"batch": 0}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(SweepError, match="inference.batch: expected a positive integer"):
         expand(path, [], out=tmp_path / "out")

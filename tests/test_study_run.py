@@ -4,7 +4,8 @@ dependency), with a second continuation that diverges instead of the continued T
 so that the study partly fails: `python -m slurm report` must account for every run and name
 the failure. (Three runs, the two continuations side by side: the smallest study that shows
 dependencies, init_from, a failure and the report; the pairing itself is checked on
-synthetic runs in tests/test_study_report.py.)"""
+synthetic runs in tests/test_study_report.py.) Each finished run's generation speed is
+measured after training (the sweep's `inference:`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_continuation_study_on_slurm_reports_every_run(cluster, tiny_data, tmp_p
         "denseformer-1x1",
         {"name": "diverges", "set": {"model.dwa": False, "optim.lr": 1.0e6,
                                      "optim.min_lr": 1.0e5, "train.on_nan": "stop"}}]
+    spec["inference"] = {"prompt": 8, "new_tokens": 8, "rounds": 1}  # speed after training
     study = tmp_path / "study.yaml"
     study.write_text(yaml.safe_dump(spec))
     out = tmp_path / "sweep"
@@ -58,6 +60,13 @@ def test_continuation_study_on_slurm_reports_every_run(cluster, tiny_data, tmp_p
     assert all(summary["runs"][n]["status"] == "FINISHED" for n in names if n != diverged)
     dense = next(n for n in names if "then-denseformer-1x1" in n)
     assert summary["runs"][dense]["val_loss"] is not None
+    from mlflow.tracking import MlflowClient  # the launcher measured generation speed
+
+    client = MlflowClient(manifest["tracking_uri"])
+    experiment = client.get_experiment_by_name(manifest["experiment"])
+    (run,) = client.search_runs([experiment.experiment_id], f"tags.sweep_run = '{dense}'")
+    assert run.data.metrics["inference/decode_tokens_per_s"] > 0
+    assert run.data.tags["inference_status"] == "0"
     page = (tmp_path / "report" / "report.html").read_text()
     assert diverged in page and "DWA weights of" in page
     assert page.count("data:image/png;base64,") >= 2
