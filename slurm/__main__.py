@@ -1,4 +1,5 @@
-"""`python -m slurm {sweep,fit,launch}`: scaling-law sweeps on Slurm, fits, the node launcher."""
+"""`python -m slurm {sweep,fit,report,launch}`: sweeps on Slurm, fits, study reports, the node
+launcher."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--tracking-uri", help="MLflow store (default: the file's "
                        "tracking_uri, or sqlite:///<out>/mlflow.db)")
 
-    from slurm import fit, launch
+    from slurm import fit, launch, report
 
     fit.add_arguments(sub.add_parser(
         "fit", help="fit scaling laws to a sweep's MLflow runs; print, plot, log"))
+
+    report.add_arguments(sub.add_parser(
+        "report", help="one self-contained HTML report of a study's MLflow runs"))
 
     launch.add_arguments(sub.add_parser(
         "launch", help="start this node's training ranks (used by slurm/train.sbatch)"))
@@ -45,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from slurm.fit import cmd_fit
 
         return cmd_fit(args)
+    if args.command == "report":
+        from slurm.report import cmd_report
+
+        return cmd_report(args)
     if args.command == "launch":
         from slurm.launch import launch
 

@@ -338,8 +338,10 @@ def launch(args: argparse.Namespace) -> int:
               flush=True)
     if task is not None and (mode == "torchrun" and rdzv.node_rank == 0
                              or mode == "srun" and env.get("RANK") == "0"):
-        from slurm.sweep import tag_finished_task
+        from slurm.sweep import after_training, tag_finished_task
 
+        if status == 0:
+            task.tags.update(after_training(task, env))
         tag_finished_task(task, status)
     return status
 

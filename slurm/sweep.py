@@ -10,7 +10,12 @@
 
 creates the MLflow experiment, and submits slurm/train.sbatch as one job array
 (--array=0-<n-1>%<max_parallel>) whose task i trains run i (`--sweep DIR`: the launcher
-reads the manifest). Each task's MLflow run carries the sweep's tags (sweep_id,
+reads the manifest). The runs of a dependent stage (`continue:`, slurm/sweep_stages.py) are
+submitted after it, each as a one-task array `--array=<i>` with
+`--dependency=afterok:<array job>_<parent task> --kill-on-invalid-dep=yes`: it starts when
+its parent finished and is cancelled by Slurm if the parent failed. The experiment carries
+the tag `sweep_manifest` (the path of sweep.json), so that `python -m slurm report` can name
+runs that never started. Each task's MLflow run carries the sweep's tags (sweep_id,
 architecture, N, D, C, ...) from the moment training creates it (the launcher passes them in
 $DENSEFORMER_MLFLOW_TAGS), so `python -m slurm fit` sees every task, an unfinished one too;
 after each task the launcher adds its exit_status. Submitting the same sweep again resubmits
@@ -48,6 +53,10 @@ def format_table(sweep: Sweep) -> str:
             f"{run.values['n_layers']:>3} {run.values['d_model']:>5} {run.n_params:>10.4g} "
             f"{run.tokens:>10.4g} {run.config.train.steps:>7} {run.compute:>10.3e} "
             f"{memory:>9}")
+    for run in sweep.runs:
+        if run.depends_on is not None:
+            lines.append(f"  run {run.index} starts after run {run.depends_on} "
+                         f"(train.init_from={sweep.runs[run.depends_on].config.run.dir})")
     lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
                  "C = 6 N D FLOPs; mem/rank: an estimate of the fullest rank (python -m "
                  "parallel.memory: weights, gradients, AdamW, activations), n/a until the "
@@ -62,15 +71,24 @@ def _bytes(value: float) -> str:
     return f"{value / 2**10:.3g}KiB"
 
 
-def sbatch_command(sweep: Sweep, out: Path) -> list[str]:
-    """The sbatch argument list (no shell is involved anywhere)."""
+def first_stage(sweep: Sweep) -> int:
+    """How many runs the first job array holds: those that depend on no other run."""
+    return sum(run.depends_on is None for run in sweep.runs)
+
+
+def sbatch_command(sweep: Sweep, out: Path, array: str | None = None,
+                   dependency: str | None = None) -> list[str]:
+    """The sbatch argument list (no shell is involved anywhere): by default the array of the
+    first stage; `array` and `dependency` for a dependent run."""
     s = sweep.slurm
-    last = len(sweep.runs) - 1
-    command = ["sbatch", "--parsable", f"--array=0-{last}%{s['max_parallel']}",
+    array = array or f"0-{first_stage(sweep) - 1}%{s['max_parallel']}"
+    command = ["sbatch", "--parsable", f"--array={array}",
                f"--job-name={sweep.name}", f"--output={out / 'logs'}/%x-%A_%a.out",
                f"--chdir={REPO_ROOT}", f"--nodes={s['nodes']}", "--ntasks-per-node=1",
                f"--cpus-per-task={s['cpus_per_task']}",
                f"--signal=B:USR1@{int(s['signal_seconds'])}", "--requeue"]
+    if dependency:
+        command += [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"]
     if s["gpus_per_node"]:
         command.append(f"--gpus-per-node={int(s['gpus_per_node'])}")
     for key in ("time", "partition", "account"):
@@ -84,10 +102,12 @@ def manifest_of(sweep: Sweep) -> dict:
     return {
         "format": 1, "sweep": sweep.name, "source": str(sweep.path), "base": str(sweep.base),
         "experiment": sweep.experiment, "tracking_uri": sweep.tracking_uri,
+        "lm_eval": sweep.lm_eval, "inference": sweep.inference,
         "runs": [{"index": r.index, "name": r.name, "architecture": r.architecture,
                   "config": f"configs/{r.name}.yaml", "run_dir": r.config.run.dir,
                   "N": r.n_params, "D": r.tokens, "C": r.compute, "C_model": r.model_flops,
-                  "steps": r.config.train.steps, "tags": r.tags(sweep.name)}
+                  "steps": r.config.train.steps, "depends_on": r.depends_on,
+                  "tags": r.tags(sweep.name)}
                  for r in sweep.runs]}
 
 
@@ -115,14 +135,27 @@ def write_sweep(sweep: Sweep) -> Path:
     return existing
 
 
-def submit(sweep: Sweep) -> str:
-    """Write the sweep directory, create the experiment, submit the array; the job id."""
+def submit(sweep: Sweep) -> list[str]:
+    """Write the sweep directory, create the experiment, submit the first stage's array and
+    then each dependent run; the job ids, the array's first."""
     from pretrain.tracking import ensure_experiment, mlflow_client
 
-    write_sweep(sweep)
-    ensure_experiment(mlflow_client(sweep.tracking_uri), sweep.tracking_uri, sweep.experiment,
-                      {"sweep_id": sweep.name})
-    command = sbatch_command(sweep, sweep.out)
+    manifest = write_sweep(sweep)
+    client = mlflow_client(sweep.tracking_uri)
+    tags = {"sweep_id": sweep.name, "sweep_manifest": str(manifest)}
+    experiment_id = ensure_experiment(client, sweep.tracking_uri, sweep.experiment, tags)
+    client.set_experiment_tag(experiment_id, "sweep_manifest", str(manifest))
+    jobs = [_sbatch(sweep, sbatch_command(sweep, sweep.out))]
+    for run in sweep.runs:
+        if run.depends_on is not None:
+            jobs.append(_sbatch(sweep, sbatch_command(
+                sweep, sweep.out, array=str(run.index),
+                dependency=f"afterok:{jobs[0]}_{run.depends_on}")))
+    return jobs
+
+
+def _sbatch(sweep: Sweep, command: list[str]) -> str:
+    """Run one sbatch command; its job id, logged to <out>/submissions.log."""
     env = {**os.environ, "DENSEFORMER_PYTHON": sys.executable,
            "DENSEFORMER_ROOT": str(REPO_ROOT),
            "DENSEFORMER_NPROC_PER_NODE": str(sweep.slurm["nproc_per_node"])}
@@ -151,16 +184,25 @@ def cmd_sweep(args) -> int:
             print(f"MLflow: experiment {sweep.experiment} in {sweep.tracking_uri}\n"
                   f"would write {sweep.out} and run: "
                   f"{shlex.join(sbatch_command(sweep, sweep.out))}")
+            dependent = len(sweep.runs) - first_stage(sweep)
+            if dependent:
+                print(f"then {dependent} dependent run(s), each: sbatch --array=<i> "
+                      "--dependency=afterok:<array job>_<parent> --kill-on-invalid-dep=yes")
             return 0
-        job_id = submit(sweep)
+        jobs = submit(sweep)
     except SweepError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"submitted job array {job_id} ({len(sweep.runs)} tasks, at most "
-          f"{sweep.slurm['max_parallel']} at a time); logs in {sweep.out / 'logs'}\n"
+    print(f"submitted job array {jobs[0]} ({first_stage(sweep)} tasks, at most "
+          f"{sweep.slurm['max_parallel']} at a time)"
+          + (f" and {len(jobs) - 1} dependent job(s) {' '.join(jobs[1:])}"
+             if len(jobs) > 1 else "")
+          + f"; logs in {sweep.out / 'logs'}\n"
           f"MLflow: experiment {sweep.experiment} in {sweep.tracking_uri}\n"
           f"when done: python -m slurm fit --experiment {sweep.experiment} "
-          f"--tracking-uri {shlex.quote(sweep.tracking_uri)}")
+          f"--tracking-uri {shlex.quote(sweep.tracking_uri)}\n"
+          f"report: python -m slurm report --experiment {sweep.experiment} "
+          f"--tracking-uri {shlex.quote(sweep.tracking_uri)} --out {sweep.out / 'report'}")
     return 0
 
 
@@ -177,6 +219,8 @@ class SweepTask:
     tags: dict[str, str]
     tracking_uri: str
     experiment: str
+    lm_eval: dict | None = None
+    inference: dict | None = None
 
 
 def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
@@ -196,7 +240,8 @@ def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
     return SweepTask(sweep=manifest["sweep"], name=name,
                      config_path=sweep_dir / run["config"], run_dir=Path(run["run_dir"]),
                      tags=dict(run["tags"]), tracking_uri=manifest["tracking_uri"],
-                     experiment=manifest["experiment"])
+                     experiment=manifest["experiment"], lm_eval=manifest.get("lm_eval"),
+                     inference=manifest.get("inference"))
 
 
 def find_run_id(task: SweepTask, client) -> str | None:
@@ -239,3 +284,25 @@ def tag_finished_task(task: SweepTask, status: int) -> None:
     except Exception as err:  # tracking must not turn a finished run into a failure
         print(f"launcher: warning: tagging the MLflow run of {task.name} failed: "
               f"{type(err).__name__}: {err}", file=sys.stderr)
+
+
+def after_training(task: SweepTask, env: dict) -> dict[str, str]:
+    """Run what the sweep asks for on a finished run (lm-eval tasks, the inference speed;
+    both log to the run's MLflow run); {status tag: exit status}. A failure is reported and
+    tagged but does not fail the training task."""
+    from slurm.sweep_stages import follow_up_commands
+
+    gpus = env.get("SLURM_GPUS_ON_NODE") or env.get("CUDA_VISIBLE_DEVICES", "")
+    device = "cuda" if gpus and gpus not in ("0", "-1", "NoDevFiles") else "cpu"
+    statuses = {}
+    for tag, arguments in follow_up_commands(task.lm_eval, task.inference, task.run_dir,
+                                             device).items():
+        command = [sys.executable, *arguments]
+        print(f"launcher: after training: {shlex.join(command)}", file=sys.stderr, flush=True)
+        status = subprocess.run(command, env=env).returncode
+        if status != 0:
+            print(f"launcher: warning: {shlex.join(arguments[:2])} on {task.name} exited "
+                  f"{status}; its figures are missing from the report", file=sys.stderr,
+                  flush=True)
+        statuses[tag] = str(status)
+    return statuses

@@ -9,9 +9,14 @@ A sweep file (see configs/sweeps/) names a base training config and a grid:
     grid:
       architecture: [transformer, denseformer-1x1, denseformer-4x5]   # or {name:, set: {...}}
       shape: [{n_layers: 2, d_model: 32}, ...]   # model keys; or depth: [...] x width: [...]
+                                    # or params: 20M with depth: [...] (slurm/sweep_shapes.py)
       tokens: [5120, 10240]         # D per run; or tokens_per_param: [20]; or compute: [...]
       seed: [0]
-      lr: [3e-3]                    # optional
+      lr: [3e-3]                    # optional; an architecture may carry its own lr: [...]
+      warmup: [0.02, 0.1]           # optional: warm-up fractions, an axis like lr
+    continue: {...}                 # optional dependent stage (slurm/sweep_stages.py)
+    lm_eval: {tasks: [...]}         # optional: downstream tasks after each run (sweep_stages)
+    inference: {batch: 1}           # optional: generation speed after each run (sweep_stages)
     slurm: {nodes: 1, nproc_per_node: 1, cpus_per_task: 1, time: "00:10:00", max_parallel: 2}
 
 Budgets: `tokens` fixes D; `tokens_per_param: r` sets D = r * N; `compute: C` gives each
@@ -37,12 +42,22 @@ from typing import Any
 
 import yaml
 
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}"
+from slurm.sweep_axes import (
+    RUN_NAME_PATTERN,
+    Architecture,
+    check_name,
+    number_list,
+    parse_architecture,
+    si_format,
+)
+from slurm.sweep_errors import SweepError
+from slurm.sweep_shapes import matched_shapes, parse_shapes
+from slurm.sweep_stages import continuation_runs, inference_settings, lm_eval_settings
+
 TOP_KEYS = {"name", "base", "set", "warmup_fraction", "grid", "slurm", "experiment",
-            "tracking_uri", "out"}
-GRID_KEYS = {"architecture", "shape", "depth", "width", "head_dim", "tokens",
-             "tokens_per_param", "compute", "seed", "lr"}
+            "tracking_uri", "out", "continue", "lm_eval", "inference"}
+GRID_KEYS = {"architecture", "shape", "depth", "width", "head_dim", "params", "tokens",
+             "tokens_per_param", "compute", "seed", "lr", "warmup"}
 SLURM_DEFAULTS: dict[str, Any] = {
     "nodes": 1, "nproc_per_node": 1, "cpus_per_task": 1, "gpus_per_node": 0,
     "time": None, "partition": None, "account": None, "max_parallel": 4,
@@ -60,16 +75,6 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-class SweepError(ValueError):
-    """An invalid sweep file; the message names the key (and run) at fault."""
-
-
-@dataclass
-class Architecture:
-    name: str
-    overrides: dict[str, Any]
-
-
 @dataclass
 class RunSpec:
     """One run of the sweep, fully resolved."""
@@ -84,13 +89,16 @@ class RunSpec:
     model_flops: float  # flops_per_token() * D
     memory_bytes: float | None
     values: dict[str, Any] = field(default_factory=dict)  # the grid values of this run
+    shape: dict[str, Any] = field(default_factory=dict)  # its model keys from the grid
+    depends_on: int | None = None  # index of the run it continues (a dependent stage)
+    stage_tags: dict[str, str] = field(default_factory=dict)
 
     def tags(self, sweep_id: str) -> dict[str, str]:
-        """MLflow tags that the fit reads."""
+        """MLflow tags that the fit and the report read."""
         return {"sweep_id": sweep_id, "sweep_run": self.name, "architecture": self.architecture,
                 "N": str(self.n_params), "D": str(self.tokens), "C": f"{self.compute:.6g}",
                 "C_model": f"{self.model_flops:.6g}", "steps": str(self.config.train.steps),
-                **{f"grid.{k}": str(v) for k, v in self.values.items()}}
+                **{f"grid.{k}": str(v) for k, v in self.values.items()}, **self.stage_tags}
 
 
 @dataclass
@@ -103,81 +111,8 @@ class Sweep:
     out: Path
     slurm: dict[str, Any]
     runs: list[RunSpec]
-
-
-def check_name(value: Any, key: str, pattern: str = NAME_PATTERN) -> str:
-    """`value` if it is a safe name (letters, digits, . _ -), else SweepError naming `key`."""
-    if not isinstance(value, str) or not re.fullmatch(pattern, value):
-        raise SweepError(f"{key}: {value!r} is not a valid name: use letters, digits, '.', "
-                         f"'_' and '-', starting with a letter or digit (pattern {pattern})")
-    return value
-
-
-def _list(grid: dict, key: str, kind: type | tuple, positive: bool = False) -> list | None:
-    if key not in grid:
-        return None
-    values = grid[key] if isinstance(grid[key], list) else [grid[key]]
-    if not values:
-        raise SweepError(f"grid.{key}: empty list")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, kind) or (positive and not v > 0):
-            raise SweepError(f"grid.{key}: expected {'positive ' if positive else ''}"
-                             f"numbers, got {v!r}")
-    return values
-
-
-def parse_architecture(item: Any) -> Architecture:
-    """"transformer", "denseformer-KxP", or {name: ..., set: {model.key: value}}."""
-    if isinstance(item, str):
-        if item == "transformer":
-            return Architecture(item, {"model.dwa": False})
-        match = re.fullmatch(r"denseformer-(\d+)x(\d+)", item)
-        if match:
-            k, p = int(match[1]), int(match[2])
-            return Architecture(item, {"model.dwa": True, "model.dwa_dilation": k,
-                                       "model.dwa_period": p})
-        raise SweepError(f"grid.architecture: {item!r}: use transformer, denseformer-KxP "
-                         "(e.g. denseformer-4x5) or {name: ..., set: {model.key: value}}")
-    if isinstance(item, dict) and set(item) <= {"name", "set"} and "name" in item:
-        overrides = item.get("set") or {}
-        if not isinstance(overrides, dict):
-            raise SweepError(f"grid.architecture: 'set' of {item['name']!r} must be a mapping")
-        return Architecture(check_name(item["name"], "grid.architecture.name"), dict(overrides))
-    raise SweepError(f"grid.architecture: cannot read {item!r}")
-
-
-def parse_shapes(grid: dict) -> list[dict[str, Any]]:
-    """grid.shape, or the product of grid.depth and grid.width (heads from head_dim)."""
-    if "shape" in grid:
-        if {"depth", "width"} & set(grid):
-            raise SweepError("grid: give either shape or depth x width, not both")
-        shapes = grid["shape"] if isinstance(grid["shape"], list) else [grid["shape"]]
-        if not shapes or not all(isinstance(s, dict) and s for s in shapes):
-            raise SweepError("grid.shape: expected a list of mappings of model keys, e.g. "
-                             "{n_layers: 12, d_model: 768}")
-        return [dict(s) for s in shapes]
-    depths, widths = _list(grid, "depth", int, True), _list(grid, "width", int, True)
-    if depths is None or widths is None:
-        raise SweepError("grid: needs shape (a list of {n_layers, d_model, ...}) or both "
-                         "depth and width")
-    head_dim = grid.get("head_dim")
-    shapes = []
-    for d, w in itertools.product(depths, widths):
-        shape = {"n_layers": d, "d_model": w}
-        if head_dim is not None:
-            if not isinstance(head_dim, int) or head_dim < 1 or w % head_dim:
-                raise SweepError(f"grid.head_dim: {head_dim!r} must divide every width ({w})")
-            shape["n_heads"] = w // head_dim
-        shapes.append(shape)
-    return shapes
-
-
-def _si(value: float) -> str:
-    """3 significant digits and a suffix: 5120 -> "5.12k", 2e9 -> "2G"."""
-    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
+    lm_eval: dict[str, Any] | None = None  # downstream tasks after each run
+    inference: dict[str, int] | None = None  # generation speed after each run
 
 
 def load_sweep_file(path: str | Path) -> dict:
@@ -225,11 +160,84 @@ def _resolve_config(base: Path, layers: list[tuple[str, dict]], cli_overrides: l
             raise SweepError(f"run {run}: {err}") from None
 
 
+@dataclass
+class RunContext:
+    """What every run of a sweep shares: builds and finishes the runs of each stage."""
+
+    name: str
+    base: Path
+    common: dict[str, Any]
+    cli_overrides: list[str]
+    warmup_fraction: float | None
+    out_dir: Path
+    experiment: str
+    tracking_uri: str | None
+    slurm: dict[str, Any]
+
+    def resolve(self, arch: Architecture, shape: dict[str, Any], lr: float | None, what: str,
+                extra: dict[str, Any] | None = None):
+        """(config, model config with its vocabulary, vocabulary or None) of one run."""
+        layers = [("set", self.common), ("architecture", arch.overrides),
+                  ("shape", {f"model.{k}": v for k, v in shape.items()}),
+                  ("stage", extra or {})]
+        if lr is not None:
+            layers.append(("lr", {"optim.lr": lr}))
+        cfg = _resolve_config(self.base, layers, self.cli_overrides, what)
+        vocab = cfg.model.vocab_size or _data_vocab(cfg.data.path)
+        return cfg, cfg.model.with_vocab(vocab or cfg.model.vocab_pad_multiple), vocab
+
+    def finish(self, index: int, prefix: str, architecture: str, cfg, model, vocab,
+               target_tokens: float, seed: int, axes: dict[str, float],
+               shape: dict[str, Any]) -> RunSpec:
+        """The run of `target_tokens` (rounded to whole steps) with its name, run dir,
+        tracking, seed and warm-up set, validated, with N, D, C and its memory estimate."""
+        from parallel.memory import estimate as estimate_memory
+        from pretrain.config import ConfigError, validate
+
+        tokens_per_step = cfg.train.batch_size * model.seq_len
+        steps = max(1, round(target_tokens / tokens_per_step))
+        run_tokens = steps * tokens_per_step
+        run_name = "-".join(
+            [prefix, f"L{model.n_layers}", f"W{model.d_model}", f"D{si_format(run_tokens)}",
+             f"s{seed}"] + ([f"lr{axes['lr']:g}"] if "lr" in axes else [])
+            + ([f"wu{axes['warmup']:g}"] if "warmup" in axes else []))
+        check_name(run_name, "run name", RUN_NAME_PATTERN)
+        cfg.train.steps = steps
+        cfg.train.seed = seed
+        cfg.train.resume = None
+        cfg.train.stop_at = None
+        fraction = axes.get("warmup", self.warmup_fraction)
+        if fraction is not None:
+            cfg.optim.warmup_steps = round(fraction * steps)
+        cfg.run.name = run_name
+        cfg.run.dir = str(self.out_dir / "runs" / run_name)
+        cfg.tracking.experiment = self.experiment
+        cfg.tracking.uri = self.tracking_uri or f"sqlite:///{self.out_dir / 'mlflow.db'}"
+        if cfg.data.path and not Path(cfg.data.path).is_absolute():
+            cfg.data.path = str(Path(cfg.data.path).absolute())
+        world = self.slurm["nodes"] * self.slurm["nproc_per_node"]
+        try:
+            validate(cfg, world_size=world)
+        except ConfigError as err:
+            raise SweepError(f"run {run_name}: {err}") from None
+        memory = None  # the largest rank's total; n/a until the vocabulary is known
+        if vocab:
+            gpu = self.slurm["gpus_per_node"] or cfg.train.device == "cuda"
+            memory = max(r.total_bytes for r in estimate_memory(
+                cfg, world, "cuda" if gpu else "cpu", model))
+        n_params = model.num_params(non_embedding=True)
+        return RunSpec(
+            index=index, name=run_name, architecture=architecture, config=cfg,
+            n_params=n_params, tokens=run_tokens, compute=6.0 * n_params * run_tokens,
+            model_flops=model.flops_per_token() * run_tokens, memory_bytes=memory,
+            values={"n_layers": model.n_layers, "d_model": model.d_model, "seed": seed,
+                    **axes},
+            shape=dict(shape))
+
+
 def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | None = None,
            tracking_uri: str | None = None) -> Sweep:
     """Read a sweep file and expand it into validated runs (nothing is written)."""
-    from parallel.memory import estimate as estimate_memory
-    from pretrain.config import ConfigError, validate
 
     path = Path(path).resolve()
     data = load_sweep_file(path)
@@ -277,80 +285,58 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
     if len({a.name for a in archs}) != len(archs):
         raise SweepError("grid.architecture: names must be unique")
     shapes = parse_shapes(grid)
-    tokens = _list(grid, "tokens", (int, float), True)
-    per_param = _list(grid, "tokens_per_param", (int, float), True)
-    compute = _list(grid, "compute", (int, float), True)
+    tokens = number_list(grid, "tokens", (int, float), True)
+    per_param = number_list(grid, "tokens_per_param", (int, float), True)
+    compute = number_list(grid, "compute", (int, float), True)
     if sum(x is not None for x in (tokens, per_param, compute)) != 1 and not (
             compute and per_param and tokens is None):
         raise SweepError("grid: give exactly one budget: tokens, tokens_per_param or compute "
                          "(compute may come with one tokens_per_param to pick shapes)")
     if compute and per_param and len(per_param) != 1:
         raise SweepError("grid.tokens_per_param: with compute, give a single value")
-    seeds = _list(grid, "seed", int) or [0]
-    lrs = _list(grid, "lr", (int, float), True)
+    seeds = number_list(grid, "seed", int) or [0]
+    lrs = number_list(grid, "lr", (int, float), True)
+    warmups = number_list(grid, "warmup", (int, float))
+    for fraction in (warmups or []) + [w for a in archs for w in a.warmups or []]:
+        if not 0 <= fraction < 1:
+            raise SweepError(f"warmup: fractions must be in [0, 1), got {fraction!r}")
+    context = RunContext(name=name, base=base, common=common, cli_overrides=list(cli_overrides),
+                         warmup_fraction=warmup_fraction, out_dir=out_dir,
+                         experiment=experiment,
+                         tracking_uri=tracking_uri or data.get("tracking_uri"), slurm=slurm)
 
     runs: list[RunSpec] = []
-    for arch, lr, seed in itertools.product(archs, lrs or [None], seeds):
-        candidates = []  # (shape, cfg, model, N)
-        for shape in shapes:
-            layers = [("set", common), ("architecture", arch.overrides),
-                      ("shape", {f"model.{k}": v for k, v in shape.items()})]
-            if lr is not None:
-                layers.append(("lr", {"optim.lr": lr}))
-            cfg = _resolve_config(base, layers, list(cli_overrides), f"{arch.name} {shape}")
-            vocab = cfg.model.vocab_size or _data_vocab(cfg.data.path)
-            model = cfg.model.with_vocab(vocab or cfg.model.vocab_pad_multiple)
-            candidates.append((shape, cfg, model, vocab, model.num_params(non_embedding=True)))
-        plan = []  # (candidate, target tokens)
-        if tokens:
-            plan = [(c, d) for c in candidates for d in tokens]
-        elif per_param and not compute:
-            plan = [(c, r * c[4]) for c in candidates for r in per_param]
-        elif compute and not per_param:
-            plan = [(c, budget / (6 * c[4])) for c in candidates for budget in compute]
-        else:
-            for budget in compute:
-                best_n = math.sqrt(budget / (6 * per_param[0]))
-                c = min(candidates, key=lambda c: abs(math.log(c[4] / best_n)))
-                plan.append((c, budget / (6 * c[4])))
-        for (_shape, cfg, model, vocab, n_params), target in plan:
-            tokens_per_step = cfg.train.batch_size * model.seq_len
-            steps = max(1, round(target / tokens_per_step))
-            run_tokens = steps * tokens_per_step
-            run_name = "-".join(
-                [name, arch.name, f"L{model.n_layers}", f"W{model.d_model}",
-                 f"D{_si(run_tokens)}", f"s{seed}"] + ([f"lr{lr:g}"] if lr is not None else []))
-            check_name(run_name, "run name", RUN_NAME_PATTERN)
-            cfg.train.steps = steps
-            cfg.train.seed = seed
-            cfg.train.resume = None
-            cfg.train.stop_at = None
-            if warmup_fraction is not None:
-                cfg.optim.warmup_steps = round(warmup_fraction * steps)
-            cfg.run.name = run_name
-            cfg.run.dir = str(out_dir / "runs" / run_name)
-            cfg.tracking.experiment = experiment
-            cfg.tracking.uri = tracking_uri or data.get("tracking_uri") \
-                or f"sqlite:///{out_dir / 'mlflow.db'}"
-            if cfg.data.path and not Path(cfg.data.path).is_absolute():
-                cfg.data.path = str(Path(cfg.data.path).absolute())
-            world = slurm["nodes"] * slurm["nproc_per_node"]
-            try:
-                validate(cfg, world_size=world)
-            except ConfigError as err:
-                raise SweepError(f"run {run_name}: {err}") from None
-            memory = None  # the largest rank's total; n/a until the vocabulary is known
-            if vocab:
-                gpu = slurm["gpus_per_node"] or cfg.train.device == "cuda"
-                memory = max(r.total_bytes for r in estimate_memory(
-                    cfg, world, "cuda" if gpu else "cpu", model))
-            runs.append(RunSpec(
-                index=len(runs), name=run_name, architecture=arch.name, config=cfg,
-                n_params=n_params, tokens=run_tokens, compute=6.0 * n_params * run_tokens,
-                model_flops=model.flops_per_token() * run_tokens,
-                memory_bytes=memory,
-                values={"n_layers": model.n_layers, "d_model": model.d_model, "seed": seed,
-                        **({"lr": lr} if lr is not None else {})}))
+    if "params" in grid:  # widths matched on the base config, the same for every architecture
+        cfg = _resolve_config(base, [("set", common)], context.cli_overrides, "grid.params")
+        shapes = matched_shapes(grid, cfg.model.with_vocab(
+            cfg.model.vocab_size or _data_vocab(cfg.data.path) or cfg.model.vocab_pad_multiple))
+    for arch in archs:  # run order as before per-architecture grids: arch, lr, seed
+        for lr, warmup, seed in itertools.product(arch.lrs or lrs or [None],
+                                                  arch.warmups or warmups or [None], seeds):
+            candidates = []  # (shape, cfg, model, vocab, N)
+            for shape in shapes:
+                cfg, model, vocab = context.resolve(arch, shape, lr, f"{arch.name} {shape}")
+                candidates.append((shape, cfg, model, vocab,
+                                   model.num_params(non_embedding=True)))
+            plan = []  # (candidate, target tokens)
+            if tokens:
+                plan = [(c, d) for c in candidates for d in tokens]
+            elif per_param and not compute:
+                plan = [(c, r * c[4]) for c in candidates for r in per_param]
+            elif compute and not per_param:
+                plan = [(c, budget / (6 * c[4])) for c in candidates for budget in compute]
+            else:
+                for budget in compute:
+                    best_n = math.sqrt(budget / (6 * per_param[0]))
+                    c = min(candidates, key=lambda c: abs(math.log(c[4] / best_n)))
+                    plan.append((c, budget / (6 * c[4])))
+            for (shape, cfg, model, vocab, _n), target in plan:
+                values = {"lr": lr, "warmup": warmup}
+                runs.append(context.finish(
+                    len(runs), f"{name}-{arch.name}", arch.name, cfg, model, vocab, target,
+                    seed, {k: v for k, v in values.items() if v is not None}, shape))
+    if "continue" in data:
+        runs += continuation_runs(data["continue"], runs, context)
     names = [r.name for r in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -358,7 +344,9 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                          "round to the same number of steps?); make the grid values distinct")
     return Sweep(name=name, path=path, base=base, experiment=experiment,
                  tracking_uri=runs[0].config.tracking.uri if runs else None, out=out_dir,
-                 slurm=slurm, runs=runs)
+                 slurm=slurm, runs=runs,
+                 lm_eval=lm_eval_settings(data.get("lm_eval"), path.parent),
+                 inference=inference_settings(data.get("inference")))
 
 
 def _data_vocab(data_path: str | None) -> int | None:

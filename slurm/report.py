@@ -1,0 +1,361 @@
+"""`python -m slurm report --experiment NAME [--tracking-uri URI] --out DIR`: a study's report.
+
+Writes DIR/report.html, one self-contained page (tables, PNGs inline), and DIR/report.json
+with the same numbers. Sections: runs that failed or did not finish, by name (and runs of
+the sweep manifest that never started); final validation loss and perplexity per
+configuration over seeds; the best learning rate per architecture; paired differences
+against the baseline; the fitted scaling laws and compute multipliers (slurm/fit.py);
+downstream scores (`lm_eval/<task>/<metric>`); cost (slurm/report_cost.py); the DWA
+heatmaps at the end of training; every run's commit and config. The statistics are in
+slurm/report_stats.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from slurm.fit import UNFINISHED, Point, fit_architectures, format_report, multipliers
+from slurm.report_cost import cost_of
+from slurm.report_data import ReportError, Study, StudyRun, load_study
+from slurm.report_html import (
+    Raw,
+    esc,
+    figure,
+    num,
+    page,
+    paragraph,
+    png_of,
+    png_tag,
+    section,
+    size,
+    table,
+)
+from slurm.report_stats import (
+    Paired,
+    SeedStats,
+    Tuning,
+    best_of,
+    config_of,
+    label,
+    paired_differences,
+    seed_stats,
+)
+
+LM_EVAL_PREFIX = "lm_eval/"
+
+
+def failures(study: Study) -> list[tuple[str, str, str]]:
+    """(run, status, why) of every run without a usable final validation loss."""
+    rows = []
+    for run in study.runs:
+        if run.loss is not None:
+            continue
+        exit_status = run.tags.get("exit_status")
+        why = UNFINISHED.get(run.status, "finished without a final val_loss "
+                             "(data.val_batches 0?)")
+        if exit_status not in (None, "0"):
+            why += f"; Slurm task exit status {exit_status}"
+        rows.append((run.name, run.status, why))
+    for name in study.never_started:
+        if name in study.logs:  # failed before training opened its MLflow run
+            rows.append((name, "FAILED", f"no MLflow run; its Slurm log: {study.logs[name]}"))
+        else:
+            rows.append((name, "NEVER STARTED", "in the sweep manifest, no MLflow run: still "
+                         "queued, or cancelled (a dependent run whose parent failed)"))
+    return rows
+
+
+def _loss_rows(stats: list[SeedStats], best: set) -> tuple[list, list[int]]:
+    rows, marked = [], []
+    for index, s in enumerate(stats):
+        if s.config in best:
+            marked.append(index)
+        spread = f"± {num(s.std, 2)}" if s.n > 1 else "(1 seed)"
+        per_seed = ", ".join(f"s{r.grid('seed')}: {r.loss:.4f}" for r in s.runs)
+        rows.append((label(s.config), s.n, f"{s.mean:.4f} {spread}", num(s.ppl_mean),
+                     per_seed))
+    return rows, marked
+
+
+def _bar_chart(tunings: list[Tuning]) -> bytes:
+    fig, ax = figure(7, 0.5 + 0.35 * len(tunings))
+    names = [label(t.best.config) for t in tunings]
+    ax.barh(range(len(tunings)), [t.best.mean for t in tunings],
+            xerr=[t.best.std if t.best.n > 1 else 0 for t in tunings], color="C0", alpha=0.8)
+    ax.set_yticks(range(len(tunings)), names, fontsize=8)
+    low = min(t.best.mean for t in tunings)
+    high = max(t.best.mean + (t.best.std if t.best.n > 1 else 0) for t in tunings)
+    ax.set_xlim(low - 0.1 * (high - low + 1e-3) - 0.02, high + 0.02)
+    ax.set_xlabel("final validation loss (mean over seeds, ± sample std)")
+    return png_of(fig)
+
+
+def _lr_chart(tunings: list[Tuning]) -> bytes:
+    fig, ax = figure()
+    for index, t in enumerate(tunings):
+        points = sorted((float(dict(s.config)["lr"]), s.mean) for s in t.members)
+        ax.plot(*zip(*points, strict=True), "o-", color=f"C{index % 10}", label=label(t.group))
+        ax.plot([float(dict(t.best.config)["lr"])], [t.best.mean], "*", ms=14,
+                color=f"C{index % 10}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final validation loss (mean)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return png_of(fig)
+
+
+def losses_section(stats: list[SeedStats], tunings: list[Tuning]) -> str:
+    rows, marked = _loss_rows(stats, {t.best.config for t in tunings})
+    return section(
+        "Final validation loss per configuration",
+        paragraph("Mean over seeds with the sample standard deviation; perplexity is "
+                  "exp(loss) per run, averaged. Highlighted: the configurations compared "
+                  "below (each architecture's best learning rate)."),
+        table(["configuration", "seeds", "val loss", "val ppl", "per seed"], rows,
+              numeric=(1, 2, 3), marked=marked),
+        png_tag(_bar_chart(tunings), "loss per configuration",
+                "final validation loss of the compared configurations"))
+
+
+def tuning_section(tunings: list[Tuning]) -> str:
+    tuned = [t for t in tunings if len(t.members) > 1]
+    if not tuned:
+        return ""
+    rows = []
+    for t in tuned:
+        tried = ", ".join(f"{label(s.config, ('architecture', 'n_layers', 'd_model', 'D', 'from'))}"
+                          f": {s.mean:.4f}" for s in sorted(t.members, key=lambda s: s.mean))
+        best = dict(t.best.config)
+        lrs = sorted({float(dict(s.config)["lr"]) for s in t.members if "lr" in dict(s.config)})
+        edge = len(lrs) >= 3 and "lr" in best and float(best["lr"]) in (lrs[0], lrs[-1])
+        rows.append((label(t.group), best.get("lr", "—") + (" (edge of the grid)" if edge
+                                                             else ""),
+                     best.get("warmup", "—"), f"{t.best.mean:.4f}", tried))
+    parts = [paragraph("Each architecture (at each shape and budget) is compared at its own "
+                       "best learning rate (and warm-up): the lowest mean final validation "
+                       "loss over seeds. A best lr at the edge of its grid says: extend the "
+                       "grid before trusting the comparison."),
+             table(["architecture and shape", "best lr", "best warm-up", "val loss",
+                    "tried (best first)"], rows, numeric=(1, 2, 3))]
+    if all("lr" in dict(s.config) for t in tuned for s in t.members):
+        parts.append(png_tag(_lr_chart(tuned), "loss vs learning rate",
+                             "final validation loss against learning rate (star: best)"))
+    return section("Best learning rate per architecture", *parts)
+
+
+def paired_section(paired: list[Paired], baseline: str) -> str:
+    if not paired:
+        return section("Paired differences", paragraph(
+            f"No pairs: no run of another architecture shares its configuration, seed and "
+            f"data order with a run of the baseline {baseline!r}."))
+    rows = [(p.architecture, label(p.context), len(p.pairs), f"{p.mean:+.4f}",
+             num(p.std, 2), f"[{num(p.low)}, {num(p.high)}]" if math.isfinite(p.low) else "—",
+             f"{p.wins} of {len(p.pairs)}") for p in paired]
+    detail = [(p.architecture, a, b, f"{d:+.4f}") for p in paired for a, b, d in p.pairs]
+    return section(
+        "Paired differences",
+        paragraph(f"loss(architecture) - loss({baseline}) over runs that share seed and data "
+                  "order (train.seed, data.path, train.batch_size, model.seq_len), each at "
+                  "its best learning rate; negative: the architecture is better. Interval: "
+                  "95% Student t over the pairs."),
+        table(["architecture", "context", "pairs", "mean diff", "std", "95% interval",
+               "better in"], rows, numeric=(2, 3, 4)),
+        table(["architecture", "run", "baseline run", "difference"], detail, numeric=(3,)))
+
+
+def scaling_section(tunings: list[Tuning], baseline: str) -> tuple[str, dict]:
+    points = [Point(r.run_id, r.name, r.architecture, float(r.tags["N"]), float(r.tags["D"]),
+                    float(r.tags["C"]), r.loss)
+              for t in tunings if "from" not in dict(t.group)
+              for r in t.best.runs if {"N", "D", "C"} <= set(r.tags)]
+    fits = fit_architectures(points) if points else {}
+    if not any(f.compute_law for f in fits.values()):
+        return "", {}
+    from slurm.fit import plot_compute
+
+    compute = sorted(p.compute for p in points)
+    budgets = [compute[0], math.sqrt(compute[0] * compute[-1]), compute[-1]]
+    mults = multipliers(fits, baseline, budgets)
+    with tempfile.TemporaryDirectory() as tmp:
+        png = plot_compute(fits, Path(tmp) / "fit.png").read_bytes()
+    summary = {"laws": {a: f.compute_law and asdict(f.compute_law) for a, f in fits.items()},
+               "multipliers": {a: [asdict(m) for m in ms] for a, ms in mults.items()}}
+    return section(
+        "Scaling laws and compute multiplier",
+        paragraph("Fitted on each architecture's best-learning-rate runs (python -m slurm fit "
+                  "fits every run). L(C) = A C^-alpha with standard errors; L(N, D) when the "
+                  "grid allows; the compute multiplier over the baseline with its 68% "
+                  "interval."),
+        f"<pre>{esc(format_report(fits, mults, baseline))}</pre>",
+        png_tag(png, "loss vs compute", "final validation loss against compute C = 6ND")
+    ), summary
+
+
+def downstream_section(stats: list[SeedStats]) -> str:
+    keys = sorted({k for s in stats for r in s.runs for k in r.metrics
+                   if k.startswith(LM_EVAL_PREFIX)})
+    if not keys:
+        return ""
+    rows = []
+    for s in stats:
+        values = []
+        for key in keys:
+            got = [r.metrics[key] for r in s.runs if key in r.metrics]
+            values.append(num(sum(got) / len(got)) if got else "—")
+        rows.append((label(s.config), s.n, *values))
+    return section("Downstream scores",
+                   paragraph("lm-evaluation-harness scores on the final checkpoints (mean over "
+                             "seeds), as logged by python -m pretrain lm-eval."),
+                   table(["configuration", "seeds", *[k[len(LM_EVAL_PREFIX):] for k in keys]],
+                         rows, numeric=range(1, len(keys) + 2)))
+
+
+def cost_section(runs: list[StudyRun]) -> str:
+    rows, notes = [], []
+    for run in runs:
+        cost = cost_of(run)
+        rows.append((run.name, num(cost.tokens_per_s), num(cost.step_seconds, 3),
+                     f"{cost.mfu:.1%}" if cost.mfu is not None else "—",
+                     size(cost.train_bytes.get("none")), size(cost.train_bytes.get("block")),
+                     size(cost.kv_cache_bytes), size(cost.dwa_decode_bytes),
+                     num(cost.prefill_tokens_per_s), num(cost.decode_tokens_per_s)))
+        if cost.note:
+            notes.append(f"{run.name}: {cost.note}")
+    return section(
+        "Cost",
+        paragraph("Measured: medians over each run's steps (the first two left out). "
+                  "Estimated (parallel.memory, parallel.inference_memory) from the run's "
+                  "config at one data-parallel rank: training memory of the fullest rank "
+                  "without and with block activation checkpointing; for generation at batch "
+                  "1 and the full context, the KV cache and the DWA state of a decode step. "
+                  "Generation speed: measured after training when the sweep has inference: "
+                  "(slurm/inference_speed.py)."),
+        table(["run", "tokens/s", "step s", "MFU", "train mem", "train mem (ckpt)",
+               "KV cache", "DWA decode state", "prefill tok/s", "decode tok/s"], rows,
+              numeric=range(1, 10)),
+        "".join(paragraph(n) for n in notes))
+
+
+def heatmap_section(runs: list[StudyRun]) -> str:
+    drawn = [png_tag(r.dwa_png, f"DWA weights of {r.name}", f"{r.name}: {r.dwa_name}")
+             for r in runs if r.dwa_png]
+    if not drawn:
+        return ""
+    return section("DWA weights at the end of training",
+                   paragraph("The last heatmap each run logged (dwa/step-*.png): row i is the "
+                             "DWA after block i, column j weighs X_j; grey: not in the k x p "
+                             "pattern."), *drawn)
+
+
+def runs_section(runs: list[StudyRun]) -> str:
+    rows = []
+    for run in runs:
+        config = (Raw(f"<details><summary>config.yaml</summary><pre>{esc(run.config_text)}"
+                      "</pre></details>") if run.config_text else "—")
+        rows.append((run.name, run.status, run.tags.get("git_commit", "—")[:12],
+                     num(run.loss), config))
+    return section("Runs", table(["run", "status", "commit", "val loss", "config"], rows,
+                                 numeric=(3,)))
+
+
+def build_report(study: Study, baseline: str) -> tuple[str, dict]:
+    """The HTML page and the JSON summary of a study."""
+    stats = seed_stats(study.runs)
+    tunings = best_of(stats)
+    paired = paired_differences(tunings, baseline)
+    failed = failures(study)
+    finished = sum(r.loss is not None for r in study.runs)
+    body = [paragraph(f"MLflow experiment {study.experiment} in {study.tracking_uri}: "
+                      f"{len(study.runs)} runs, {finished} finished with a final validation "
+                      f"loss, {len(failed)} failed, unfinished or never started.")]
+    body.append(section("Failed or unfinished runs", table(
+        ["run", "status", "why"], [(n, Raw(f'<span class="bad">{esc(s)}</span>'), w)
+                                   for n, s, w in failed])) if failed else
+                section("Failed or unfinished runs", paragraph("None: every run finished.")))
+    scaling, laws = ("", {})
+    if tunings:
+        body += [losses_section(stats, tunings), tuning_section(tunings),
+                 paired_section(paired, baseline)]
+        scaling, laws = scaling_section(tunings, baseline)
+        body.append(scaling)
+    body += [downstream_section(stats), cost_section(study.runs),
+             heatmap_section(study.runs), runs_section(study.runs)]
+    summary = {
+        "experiment": study.experiment, "tracking_uri": study.tracking_uri,
+        "baseline": baseline,
+        "runs": {r.name: {"status": r.status, "val_loss": r.loss,
+                          "commit": r.tags.get("git_commit"),
+                          "config": label(config_of(r))} for r in study.runs},
+        "failed": [{"run": n, "status": s, "why": w} for n, s, w in failed],
+        "configurations": [{"config": label(s.config), "seeds": s.n, "mean": s.mean,
+                            "std": s.std, "ppl": s.ppl_mean} for s in stats],
+        "best_lr": [{"group": label(t.group), "best": label(t.best.config),
+                     "lr": dict(t.best.config).get("lr"), "mean": t.best.mean}
+                    for t in tunings],
+        "paired": [{"architecture": p.architecture, "context": label(p.context),
+                    "pairs": len(p.pairs), "mean": p.mean, "std": p.std, "low": p.low,
+                    "high": p.high} for p in paired],
+        **laws}
+    return page(f"Study report: {study.experiment}", body), summary
+
+
+def _finite(value):
+    """The summary with nan and inf as null, so that report.json is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def cmd_report(args) -> int:
+    """`python -m slurm report`: read the experiment, write report.html and report.json."""
+    from mlflow.exceptions import MlflowException
+
+    from pretrain.tracking import bounded_http_requests, mlflow_client
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        if not uri:
+            raise ReportError("--tracking-uri is required (or MLFLOW_TRACKING_URI); a sweep's "
+                              "default store is sqlite:///<sweep dir>/mlflow.db")
+        try:
+            with bounded_http_requests():
+                study = load_study(mlflow_client(uri), args.experiment, uri, args.sweep)
+        except MlflowException as err:
+            raise ReportError(f"--tracking-uri {uri}: cannot read the store: {err}") from None
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    html_text, summary = build_report(study, args.baseline)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.html").write_text(html_text)
+    (out / "report.json").write_text(json.dumps(_finite(summary), indent=1, default=float)
+                                     + "\n")
+    for name, status, why in failures(study):
+        print(f"not finished: {name}: {status}: {why}", file=sys.stderr)
+    print(f"wrote {out / 'report.html'} ({len(study.runs)} runs, "
+          f"{len(summary['failed'])} failed or unfinished) and {out / 'report.json'}")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    """The options of `python -m slurm report`."""
+    parser.add_argument("--experiment", required=True, help="MLflow experiment of the study")
+    parser.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--out", required=True, help="directory for report.html and "
+                        "report.json")
+    parser.add_argument("--baseline", default="transformer",
+                        help="architecture the paired differences and multipliers compare "
+                             "against")
+    parser.add_argument("--sweep", help="only runs with this sweep_id tag")
