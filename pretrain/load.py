@@ -41,7 +41,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None
 
     cfg, state, meta, tokenizer = _read(Path(path))
     vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else tokenizer.vocab_size
-    if vocab != tokenizer.vocab_size:
+    if vocab < tokenizer.vocab_size:  # a larger model vocabulary is fine (reserved rows)
         raise checkpoint.CheckpointError(
             f"{path}: the model has a vocabulary of {vocab} but its tokenizer "
             f"{tokenizer.path} has {tokenizer.vocab_size} ids")

@@ -87,10 +87,11 @@ def test_with_vocab_fills_a_null_vocab_size_in_a_copy():
     model = section.with_vocab(300)
     assert isinstance(model, DenseFormerConfig) and section.vocab_size is None
     assert (model.n_layers, model.vocab_size, model.padded_vocab_size) == (3, 300, 384)
-    # A vocab_size the config names is kept; another one is refused.
+    # A vocab_size the config names is kept, also above the tokenizer's (reserved rows, as
+    # in released models); below it, a token id would fall outside the model: refused.
     named = load_config(None, ["model.vocab_size=77"]).model
-    assert named.with_vocab(77) == named
-    with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: is 77, .* 78 tokens"):
+    assert named.with_vocab(77) == named and named.with_vocab(70) == named
+    with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: is 77, .* has 78 ids"):
         named.with_vocab(78)
     with pytest.raises(ModelConfigError, match=r"^model\.vocab_size: must be null or >= 1"):
         section.with_vocab(0)

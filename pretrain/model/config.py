@@ -142,11 +142,14 @@ class DenseFormerConfig:
         return self.d_model // self.n_heads
 
     def with_vocab(self, vocab_size: int) -> DenseFormerConfig:
-        """A copy with `vocab_size` filled in; ModelConfigError if this one names another."""
-        if self.vocab_size is not None and self.vocab_size != vocab_size:
-            raise ModelConfigError("vocab_size", f"is {self.vocab_size}, but the vocabulary to "
-                                                 f"fill in has {vocab_size} tokens")
-        return dataclasses.replace(self, vocab_size=vocab_size)
+        """A copy with `vocab_size` filled in from a tokenizer of `vocab_size` ids. A model
+        vocabulary already set may be larger (released models often reserve rows), never
+        smaller: ModelConfigError then, as a token id would fall outside the model."""
+        if self.vocab_size is not None and self.vocab_size < vocab_size:
+            raise ModelConfigError("vocab_size", f"is {self.vocab_size}, but the tokenizer has "
+                                                 f"{vocab_size} ids: ids {self.vocab_size} and "
+                                                 "up would fall outside the model")
+        return dataclasses.replace(self, vocab_size=self.vocab_size or vocab_size)
 
     @property
     def padded_vocab_size(self) -> int:
