@@ -32,7 +32,13 @@ class DenseFormerHFConfig(PretrainedConfig):
                  hidden_size: int = 64, num_hidden_layers: int = 4, num_attention_heads: int = 4,
                  max_position_embeddings: int = 128, mlp_ratio: int = 4,
                  rope_theta: float = 10000.0, norm_eps: float = 1e-5, skip_gains: bool = False,
-                 dwa_inputs: list | None = None, **kwargs):
+                 dwa_inputs: list | None = None, block: str = "gpt",
+                 num_key_value_heads: int | None = None, intermediate_size: int | None = None,
+                 tie_embeddings: bool = True, **kwargs):
+        self.block = block  # "gpt" (the paper's blocks) or "llama"
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.intermediate_size = intermediate_size  # llama: the SwiGLU width
+        self.tie_embeddings = tie_embeddings  # llama: False = a separate lm_head
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         self.hidden_size, self.num_hidden_layers = hidden_size, num_hidden_layers
         self.num_attention_heads = num_attention_heads
@@ -41,7 +47,8 @@ class DenseFormerHFConfig(PretrainedConfig):
         self.skip_gains = skip_gains
         # dwa_inputs[i - 1]: the j of the X_j that the DWA after block i reads, or None
         self.dwa_inputs = dwa_inputs or [None] * num_hidden_layers
-        kwargs.setdefault("tie_word_embeddings", False)  # the head reads embedding.weight
+        # transformers' own tying stays off: a tied head reads the embedding weight directly.
+        kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
 
@@ -109,17 +116,87 @@ class Block(nn.Module):
         return skip + self.mlp(self.norm_mlp(h))
 
 
+class LlamaAttention(nn.Module):
+    """Llama attention under transformers' weight names: q, k, v, o projections, grouped-query
+    (each of the num_key_value_heads k/v heads serves heads / kv_heads query heads)."""
+
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        d, heads = config.hidden_size, config.num_attention_heads
+        self.heads, self.kv_heads, self.head_dim = heads, config.num_key_value_heads, d // heads
+        self.base = config.rope_theta
+        self.q_proj = nn.Linear(d, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, positions, self.base), _rope(k, positions, self.base)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        d, hidden = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, hidden, bias=False)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, grouped-query attention with RoPE, RMSNorm, SwiGLU; no biases."""
+
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        d, eps = config.hidden_size, config.norm_eps
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, positions, mask):
+        h = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaTrunk(nn.Module):
+    """Embedding, blocks and final norm under transformers' Llama names (`model.*`)."""
+
+    def __init__(self, config: DenseFormerHFConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+
 class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DenseFormerHFConfig
     base_model_prefix = "denseformer"
-    _no_split_modules = ["Block"]
+    _no_split_modules = ["Block", "LlamaBlock"]
 
     def __init__(self, config: DenseFormerHFConfig):
         super().__init__(config)
         d = config.hidden_size
-        self.embedding = nn.Embedding(config.padded_vocab_size, d)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(d, eps=config.norm_eps, bias=False)
+        if config.block == "llama":  # transformers' Llama names, plus dwa_alpha
+            self.model = LlamaTrunk(config)
+            self.lm_head = None if config.tie_embeddings else nn.Linear(
+                d, config.padded_vocab_size, bias=False)
+        else:  # the trainer's names
+            self.embedding = nn.Embedding(config.padded_vocab_size, d)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+            self.final_norm = nn.LayerNorm(d, eps=config.norm_eps, bias=False)
+            self.lm_head = None
         self.dwa_alpha = None
         if any(js is not None for js in config.dwa_inputs):
             self.dwa_alpha = nn.Parameter(torch.zeros(config.num_hidden_layers,
@@ -131,8 +208,14 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
+    def _trunk(self) -> tuple[nn.Embedding, nn.ModuleList, nn.Module]:
+        """(embedding, blocks, final norm), under either block's names."""
+        if self.config.block == "llama":
+            return self.model.embed_tokens, self.model.layers, self.model.norm
+        return self.embedding, self.blocks, self.final_norm
+
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.embedding
+        return self._trunk()[0]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
@@ -148,13 +231,15 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
             causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).tril()
             mask = causal & keep[:, None, :]
             mask = (mask | torch.eye(s, dtype=torch.bool, device=input_ids.device))[:, None]
-        xs = [self.embedding(input_ids)]
+        embedding, blocks, final_norm = self._trunk()
+        xs = [embedding(input_ids)]
         y = xs[0]
-        for i, block in enumerate(self.blocks, start=1):
+        for i, block in enumerate(blocks, start=1):
             xs.append(block(y, positions, mask))
             js = self.config.dwa_inputs[i - 1]
             y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * xs[j] for j in js)
-        logits = F.linear(self.final_norm(y), self.embedding.weight)[..., :self.config.vocab_size]
+        head = embedding.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(final_norm(y), head)[..., :self.config.vocab_size]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
