@@ -45,6 +45,7 @@ from data_pipeline.sources import expand_inputs, iter_documents, read_documents
 from data_pipeline.tokenizer import (
     TOKENIZER_FILE,
     backend_file_name,
+    find_tokenizer_file,
     load_tokenizer,
     train_tokenizer,
 )
@@ -192,8 +193,10 @@ class PrepareOptions:
             )
         if self.tokenizer is not None and self.vocab_size is not None:
             raise DataError("give either --tokenizer or --vocab-size (the tokenizer fixes it)")
-        if self.tokenizer is not None and Path(self.tokenizer).is_dir():
-            raise DataError(f"{self.tokenizer}: --tokenizer expects a sentencepiece .model file")
+        if (self.tokenizer is not None and Path(self.tokenizer).is_dir()
+                and find_tokenizer_file(self.tokenizer) is None):
+            raise DataError(f"{self.tokenizer}: --tokenizer expects a sentencepiece .model, a "
+                            "tokenizer.json, or a directory holding one")
 
 
 def prepare_dataset(

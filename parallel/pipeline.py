@@ -78,8 +78,10 @@ class PipelineRunner:
         tp = self.model.tp_size
         self.seq_shards = tp if self.model.sequence_parallel else 1
 
+        # The tied embedding lives on the first and the last stage's ranks; their gradients
+        # are summed over the embedding group. An untied head is the last stage's alone.
         self.embedding_group = None
-        if self.model.embedding is not None:
+        if self.model.embedding is not None and config.tie_embeddings:
             self.embedding_group = ps.get_embedding_group()
             if not self.has_first:
                 setattr(self.model.embedding.weight, PIPELINE_DUPLICATE_ATTR, True)

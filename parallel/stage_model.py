@@ -29,10 +29,11 @@ from pretrain.model.denseformer import (
     _mark_tensor_parallel,
     dwa_alpha_parameter,
     dwa_mask_tensor,
+    lm_head,
     megatron_config,
 )
 from pretrain.model.init import init_parameters
-from pretrain.model.layers import Block, RotaryEmbedding, _no_init
+from pretrain.model.layers import Block, RotaryEmbedding, _no_init, norm
 
 
 class StageModel(nn.Module):
@@ -49,17 +50,19 @@ class StageModel(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         mp = megatron_config(self.tp_size, self.sequence_parallel)
         self.embedding = None
-        if any(p.is_first or p.is_last for p in programs):  # the tied LM head needs it too
-            self.embedding = VocabParallelEmbedding(
+        last = any(p.is_last for p in programs)
+        if any(p.is_first for p in programs) or (last and cfg.tie_embeddings):
+            self.embedding = VocabParallelEmbedding(  # the tied LM head reads it too
                 cfg.padded_vocab_size, cfg.d_model, init_method=_no_init, config=mp,
                 reduce_scatter_embeddings=self.sequence_parallel, tp_group=self.tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleDict({
             str(i - 1): Block(cfg, mp, self.tp_group, self.rope)
             for p in programs for i in range(p.first, p.last + 1)})
-        self.final_norm = None
-        if any(p.is_last for p in programs):
-            self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.final_norm = self.lm_head = None
+        if last:
+            self.final_norm = norm(cfg)
+            self.lm_head = lm_head(cfg, mp, self.tp_group)
         self.dwa_pattern = cfg.dwa_pattern  # the object the plan's programs were made from
         self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
         self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
@@ -70,6 +73,7 @@ class StageModel(nn.Module):
 
     # The single-process model's methods that read only the attributes above.
     embed = DenseFormer.embed
+    head_weight = DenseFormer.head_weight
     local_logits = DenseFormer.local_logits
     dwa_matrix = DenseFormer.dwa_matrix
     load_dwa_matrix = DenseFormer.load_dwa_matrix
@@ -83,8 +87,9 @@ class StageModel(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if self.dwa_alpha is not None:
             n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
-        if non_embedding and self.embedding is not None:
-            n -= self.embedding.weight.numel()
+        if non_embedding:
+            for module in (self.embedding, self.lm_head):
+                n -= 0 if module is None else module.weight.numel()
         return n
 
 

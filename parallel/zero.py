@@ -163,9 +163,11 @@ class LossModule(nn.Module):
 
 def _external_parameters(model: nn.Module) -> list[nn.Parameter]:
     params = list(model.parameters(recurse=False))
-    embedding = getattr(model, "embedding", None)
-    if embedding is not None:
-        params.append(embedding.weight)
+    # The tied head reads the embedding weight, an untied one its own, outside their modules.
+    for name in ("embedding", "lm_head"):
+        module = getattr(model, name, None)
+        if module is not None:
+            params.append(module.weight)
     return params
 
 

@@ -1,4 +1,5 @@
-"""`python -m pretrain {train,config,eval,checkpoint,generate,lm-eval,analyze,export-hf}`:
+"""`python -m pretrain {train,config,eval,checkpoint,generate,lm-eval,analyze,export-hf,
+import-hf}`:
 command-line entry points."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from pretrain import analyze, generate_cli, lm_eval_cli
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 from pretrain.hf import export as hf_export
+from pretrain.hf import import_llama as hf_import
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm_eval_cli.add_parser(sub)
     analyze.add_parser(sub)
     hf_export.add_parser(sub)
+    hf_import.add_parser(sub)
     return parser
 
 
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
                "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate,
                "lm-eval": lm_eval_cli.cmd_lm_eval, "analyze": analyze.cmd_analyze,
-               "export-hf": hf_export.cmd_export_hf}[args.command]
+               "export-hf": hf_export.cmd_export_hf,
+               "import-hf": hf_import.cmd_import_hf}[args.command]
     try:
         status = command(args)
     except (ConfigError, ModelConfigError, DataError, CheckpointError) as err:

@@ -39,7 +39,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None
     from pretrain.model.denseformer import DenseFormer
     from pretrain.model.state import load_full_model_state
 
-    cfg, state, meta, tokenizer = _read(Path(path))
+    cfg, state, meta, tokenizer = read_trained(Path(path))
     vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:  # a larger model vocabulary is fine (reserved rows)
         raise checkpoint.CheckpointError(
@@ -76,7 +76,7 @@ def _initialize_groups(shape: DenseFormerConfig) -> None:
     groups.ensure_initialized(tp=tp)
 
 
-def _read(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
+def read_trained(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
     """(config, full model tensors, checkpoint meta, tokenizer) of whatever `path` is."""
     if (path / EXPORTED_WEIGHTS).is_file():
         return _read_exported(path)

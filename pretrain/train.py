@@ -74,10 +74,11 @@ class Trainer:
             raise ConfigError("data.path", "is required: a directory written by "
                               "`python -m data_pipeline prepare`")
         self.index = read_index(cfg.data.path)
-        if cfg.model.vocab_size is not None and cfg.model.vocab_size != self.index.vocab_size:
-            raise ConfigError("model.vocab_size",
-                              f"{cfg.model.vocab_size} differs from the tokenizer's vocabulary "
-                              f"of {self.index.vocab_size} in {cfg.data.path}/index.json")
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < self.index.vocab_size:
+            raise ConfigError("model.vocab_size",  # a larger one is fine (reserved rows)
+                              f"{cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary of {self.index.vocab_size} in "
+                              f"{cfg.data.path}/index.json")
         if self.index.seq_len < cfg.model.seq_len:
             raise ConfigError("model.seq_len", f"{cfg.model.seq_len} exceeds the data's "
                               f"sequence length {self.index.seq_len} ({cfg.data.path})")

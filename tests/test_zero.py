@@ -326,3 +326,23 @@ def test_zero1_with_tensor_parallel_tp2_dp2(reference, reference_eps, initial_pa
         assert_close(rank_result["stage1-external"], reference, "ZeRO-1 TP=2 external")
         assert_close(rank_result["stage1-sp-dwa_block"], reference, "ZeRO-1 TP=2 SP dwa_block")
         assert_close(rank_result["stage1-block-every2"], reference, "ZeRO-1 TP=2 block x2")
+
+
+LLAMA = ("model.block=llama", "model.n_kv_heads=1", "model.tie_embeddings=false")
+
+
+def llama_cases():
+    return {stage: zero_run(stage, LLAMA) for stage in (1, 3)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_zero1_and_zero3_with_llama_blocks_at_dp2():
+    """Llama blocks (grouped-query attention, an untied head that ZeRO-3 must gather as an
+    external parameter) under ZeRO-1 and ZeRO-3 reproduce single-process AdamW. ZeRO-3's
+    partitioned reduction sums the SwiGLU gate's gradient in another order: 3 AdamW steps
+    turn that into up to 1.6e-5 relative (measured), hence 5e-5 there."""
+    reference = reference_run(*LLAMA)
+    for rank_result in run_distributed_test(llama_cases, world_size=2, timeout_s=400):
+        assert_close(rank_result[1], reference, "llama ZeRO-1")
+        assert_close(rank_result[3], reference, "llama ZeRO-3", tol=5e-5)

@@ -121,6 +121,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"{t.batch_size} sequences do not split into {p.microbatches} micro-batches")
     _check(m.n_heads % p.tp == 0, "parallel.tp",
            f"tp={p.tp} does not divide model.n_heads={m.n_heads} (attention heads split)")
+    _check(m.kv_heads % p.tp == 0, "parallel.tp",
+           f"tp={p.tp} does not divide the {m.kv_heads} key/value heads (model.n_kv_heads): "
+           "a TP rank holds whole key/value groups")
     # tp | n_heads implies tp | d_model and so tp | d_model * mlp_ratio (the MLP width).
     if m.vocab_size is None:
         _check(m.vocab_pad_multiple % p.tp == 0, "parallel.tp",

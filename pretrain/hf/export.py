@@ -68,6 +68,8 @@ def hf_config(model_cfg, tokenizer):
         num_attention_heads=model_cfg.n_heads, max_position_embeddings=model_cfg.seq_len,
         mlp_ratio=model_cfg.mlp_ratio, rope_theta=model_cfg.rope_base,
         norm_eps=model_cfg.norm_eps, skip_gains=model_cfg.skip_gains, dwa_inputs=dwa_inputs,
+        block=model_cfg.block, num_key_value_heads=model_cfg.kv_heads,
+        intermediate_size=model_cfg.ffn_width, tie_embeddings=model_cfg.tie_embeddings,
         use_cache=False, pad_token_id=tokenizer.eos_id, **special)
     config.architectures = ["DenseFormerForCausalLM"]
     config.auto_map = {"AutoConfig": "modeling_denseformer.DenseFormerHFConfig",
@@ -83,6 +85,7 @@ def export_hf(path: Path, out: Path) -> Path:
     import torch.distributed as dist
 
     from parallel import groups
+    from pretrain.hf.llama_weights import to_hf
     from pretrain.hf.modeling_denseformer import DenseFormerForCausalLM
     from pretrain.load import load_model
 
@@ -92,17 +95,25 @@ def export_hf(path: Path, out: Path) -> Path:
     finally:
         if ours:
             groups.destroy()
-    config = hf_config(model.config, tokenizer)
-    hf_model = DenseFormerForCausalLM(config)
+    cfg = model.config
     state = {name: value.detach().float() for name, value in model.named_parameters()}
-    hf_model.load_state_dict(state, strict=True)
-    hf_model.generation_config.use_cache = False  # no KV cache in the exported code
+    if cfg.block == "llama" and not cfg.dwa and not cfg.skip_gains:
+        hf_model = llama_model(cfg, state, tokenizer)  # plain transformers, no remote code
+    else:
+        hf_model = DenseFormerForCausalLM(hf_config(cfg, tokenizer))
+        if cfg.block == "llama":
+            state = to_hf(state, cfg, trim_vocab=False)
+            if cfg.tie_embeddings:
+                del state["lm_head.weight"]  # the exported code reads the embedding itself
+        hf_model.load_state_dict(state, strict=True)
+        hf_model.generation_config.use_cache = False  # no KV cache in the exported code
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with torch.no_grad():
             hf_model.save_pretrained(tmp)
-        shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
+        if isinstance(hf_model, DenseFormerForCausalLM):
+            shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
         shutil.copyfile(tokenizer.path, tmp / tokenizer.path.name)
         if tokenizer.path.name == "tokenizer.json":
             (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer),
@@ -113,6 +124,27 @@ def export_hf(path: Path, out: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def llama_model(cfg, state: dict, tokenizer):
+    """A transformers LlamaForCausalLM holding a llama-block Transformer's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrain.hf.llama_weights import to_hf
+
+    special = {name: value for name, value in (("eos_token_id", tokenizer.eos_id),
+                                               ("bos_token_id", tokenizer.bos_id))
+               if value is not None}
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_width,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base,
+        tie_word_embeddings=cfg.tie_embeddings, pad_token_id=tokenizer.eos_id, **special)
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(to_hf(state, cfg, trim_vocab=True), strict=True)
+    return model
 
 
 def _tokenizer_config(tokenizer) -> dict:

@@ -14,7 +14,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
 
@@ -118,6 +118,18 @@ class DenseFormerConfig:
     # The embedding/LM-head rows are padded to this multiple, independent of TP, so that
     # every layout shares one padded vocabulary; padded ids are never predicted.
     vocab_pad_multiple: int = ranged(128, ge=1)
+    # The block: gpt (the paper's: LayerNorm without bias, 4x GELU MLP) or llama (RMSNorm,
+    # SwiGLU); both pre-norm with RoPE and no biases (pretrain/model/layers.py).
+    block: Literal["gpt", "llama"] = "gpt"
+    # Key/value heads (null: n_heads); fewer is grouped-query attention, each serving
+    # n_heads / n_kv_heads query heads.
+    n_kv_heads: int | None = ranged(None, ge=1, also="divides n_heads; tp divides it")
+    # false: a separate LM head instead of the embedding's transpose.
+    tie_embeddings: bool = True
+    # The MLP's hidden width (null: the block's rule, `ffn_width`): gpt mlp_ratio x d_model,
+    # llama 8/3 x d_model rounded up to a multiple of ffn_multiple_of.
+    ffn_hidden_size: int | None = ranged(None, ge=1)
+    ffn_multiple_of: int = ranged(256, ge=1)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,10 +148,30 @@ class DenseFormerConfig:
                 "n_heads", f"head size {self.d_model // self.n_heads} must be even for RoPE")
         if self.dwa and self.skip_gains:
             raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false")
+        if self.block not in ("gpt", "llama"):
+            raise ModelConfigError("block", f"must be gpt or llama, got {self.block!r}")
+        if self.n_heads % self.kv_heads:
+            raise ModelConfigError("n_kv_heads", f"{self.kv_heads} key/value heads do not "
+                                                 f"divide n_heads={self.n_heads}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is null."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ffn_hidden_size, else the block's rule."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.block == "llama":  # Llama's SwiGLU rule: 2/3 of 4 x d, rounded up
+            m = self.ffn_multiple_of
+            return m * math.ceil(int(8 * self.d_model / 3) / m)
+        return self.mlp_ratio * self.d_model
 
     def with_vocab(self, vocab_size: int) -> DenseFormerConfig:
         """A copy with `vocab_size` filled in from a tokenizer of `vocab_size` ids. A model
@@ -167,16 +199,23 @@ class DenseFormerConfig:
                                  self.dwa_period if self.dwa else None, self.dwa_window,
                                  self.dwa_init_offdiag)
 
+    def _block_matmul_params(self) -> int:
+        """Weights of one block's matmuls: q, k, v, output projection and the MLP."""
+        h, kv = self.d_model, self.kv_heads * self.head_dim
+        mlp = (3 if self.block == "llama" else 2) * h * self.ffn_width  # SwiGLU: gate, up, down
+        return (2 * h + 2 * kv) * h + mlp
+
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count from the shape alone (tied embedding counted once)."""
+        """Parameter count from the shape alone (a tied embedding counted once; an untied LM
+        head counts as embedding)."""
         h = self.d_model
-        per_block = (3 + 1 + 2 * self.mlp_ratio) * h * h + 2 * h  # qkv, proj, mlp, 2 norms
+        per_block = self._block_matmul_params() + 2 * h  # + 2 norms
         if self.skip_gains:
             per_block += 2
         n = self.n_layers * per_block + h  # + final norm
         n += self.dwa_pattern.n_connections  # the learned alphas
         if not non_embedding:
-            n += self.padded_vocab_size * h
+            n += self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
 
     def flops_per_token(self) -> float:
@@ -187,7 +226,7 @@ class DenseFormerConfig:
         (number of alpha connections) for the DWAs (one multiply-add per connection).
         """
         h = self.d_model
-        matmul = self.n_layers * (4 + 2 * self.mlp_ratio) * h * h + self.padded_vocab_size * h
+        matmul = self.n_layers * self._block_matmul_params() + self.padded_vocab_size * h
         attention = 12.0 * self.n_layers * self.seq_len * h
         dwa = self.dwa_pattern.n_connections * h
         return 6.0 * matmul + attention + 6.0 * dwa

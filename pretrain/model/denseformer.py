@@ -1,7 +1,8 @@
 """DenseFormer language model (a plain Transformer when `dwa=False`).
 
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
-    logits = LM_head(final_norm(Y_d))          (LM head tied to the embedding)
+    logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
+                                                 `lm_head` when model.tie_embeddings is off)
 
 See dwa_pattern.py for the index conventions and the DWA pattern, dwa.py for the contraction.
 """
@@ -36,7 +37,7 @@ from pretrain.model.dwa import (
 )
 from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
-from pretrain.model.layers import Block, RotaryEmbedding, _no_init
+from pretrain.model.layers import Block, RotaryEmbedding, _no_init, norm
 
 
 def megatron_config(tp_size: int, sequence_parallel: bool = False) -> ModelParallelConfig:
@@ -83,7 +84,8 @@ class DenseFormer(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(
             Block(cfg, mp, self.tp_group, self.rope) for _ in range(cfg.n_layers))
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.final_norm = norm(cfg)
+        self.lm_head = lm_head(cfg, mp, self.tp_group)
         self.dwa_pattern = cfg.dwa_pattern
         self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
@@ -138,19 +140,24 @@ class DenseFormer(nn.Module):
                                   *[kept[j] for j in js])
         return y
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (V / TP, H) shard: the embedding's, or the untied `lm_head`'s."""
+        return self.embedding.weight if self.lm_head is None else self.lm_head.weight
+
     def local_logits(self, y: torch.Tensor, seq_first: bool = False) -> torch.Tensor:
         """This TP rank's vocabulary shard of the logits (B, S, V / TP), padding masked;
         (S, B, V / TP) under sequence parallelism if `seq_first` (saves a transpose copy)."""
         h = self.final_norm(y)
         if self.sequence_parallel:  # all-gather the sequence (reduce-scatter in backward)
             logits = linear_with_grad_accumulation_and_async_allreduce(
-                h, self.embedding.weight, None, gradient_accumulation_fusion=False,
+                h, self.head_weight, None, gradient_accumulation_fusion=False,
                 allreduce_dgrad=False, sequence_parallel=True, tp_group=self.tp_group)
             if not seq_first:
                 logits = logits.transpose(0, 1)
         else:
             h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            logits = F.linear(h, self.embedding.weight)
+            logits = F.linear(h, self.head_weight)
         shard = logits.shape[-1]
         start = self.tp_rank * shard
         if start + shard > self.config.vocab_size:
@@ -220,7 +227,8 @@ class DenseFormer(nn.Module):
         if self.dwa_alpha is not None:
             n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
         if non_embedding:
-            n -= self.embedding.weight.numel()
+            for module in (self.embedding, self.lm_head):
+                n -= 0 if module is None else module.weight.numel()
         return n
 
     def dwa_matrix(self) -> torch.Tensor:
@@ -252,6 +260,18 @@ class DenseFormer(nn.Module):
                 f"{self.config.dwa_period} pattern")
         if self.dwa_alpha is not None:
             self.dwa_alpha.copy_(matrix * live)
+
+
+def lm_head(cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group) -> nn.Module | None:
+    """The untied LM head, vocabulary-parallel like the embedding (rows V / TP per rank), or
+    None when the head is the embedding's transpose (model.tie_embeddings)."""
+    if cfg.tie_embeddings:
+        return None
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return ColumnParallelLinear(cfg.d_model, cfg.padded_vocab_size, config=mp,
+                                init_method=_no_init, bias=False, gather_output=False,
+                                tp_group=tp_group)
 
 
 def dwa_mask_tensor(pattern: DWAPattern) -> torch.Tensor:

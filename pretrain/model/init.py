@@ -18,7 +18,8 @@ import torch
 from pretrain.model.config import DenseFormerConfig
 
 _RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc_out.weight")
-_NORMAL = ("attn.qkv.weight", "mlp.fc_in.weight", "embedding.weight") + _RESIDUAL_PROJECTIONS
+_NORMAL = ("attn.qkv.weight", "mlp.fc_in.weight", "mlp.gate.weight", "mlp.up.weight",
+           "embedding.weight", "lm_head.weight") + _RESIDUAL_PROJECTIONS
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

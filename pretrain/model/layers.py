@@ -1,9 +1,20 @@
-"""Transformer block built from megatron-core tensor-parallel layers.
+"""Transformer blocks built from megatron-core tensor-parallel layers.
 
-Pre-LN block: X_i = h + MLP(LN(h)), h = Y_{i-1} + Attn(LN(Y_{i-1})), with causal attention
-(`scaled_dot_product_attention`), RoPE, a 4x GELU MLP and LayerNorm without bias. QKV and the
-MLP's first layer are column-parallel (heads / hidden units split over the TP group), the
-attention output and the MLP's second layer row-parallel; at TP=1 they are plain linears.
+Pre-norm block: X_i = h + MLP(N(h)), h = Y_{i-1} + Attn(N(Y_{i-1})), with causal attention
+(`scaled_dot_product_attention`) and RoPE (rotate-half), no biases. Two kinds
+(`model.block`): gpt, the paper's (N = LayerNorm without bias, a GELU MLP of `ffn_width`),
+and llama (N = RMSNorm, SwiGLU: fc_out(silu(gate(x)) * up(x))). QKV and the MLP's input
+layers are column-parallel (heads / hidden units split over the TP group), the attention
+output and `fc_out` row-parallel; at TP=1 they are plain linears.
+
+Parameter layouts (what pretrain/hf/llama_weights.py maps Hugging Face Llama weights onto):
+`attn.qkv.weight` has rows (kv group g, [the g-th group's n_heads / n_kv_heads query heads,
+its key head, its value head], head_dim): a contiguous TP shard holds whole groups, and with
+n_kv_heads = n_heads it is (head, q|k|v, head_dim). Query head j of group g is head
+g * (n_heads / n_kv_heads) + j, as in transformers' `repeat_kv`. `attn.proj.weight` is the
+output projection (o_proj); llama's `mlp.gate.weight`, `mlp.up.weight`, `mlp.fc_out.weight`
+are gate_proj, up_proj, down_proj; `norm_attn` and `norm_mlp` are the input and
+post-attention norms.
 """
 
 from __future__ import annotations
@@ -57,11 +68,14 @@ class Attention(nn.Module):
         self.tp_group = tp_group
         self.seq_first = mp.sequence_parallel
         self.heads_local = cfg.n_heads // tp_group.size()
+        self.groups_local = cfg.kv_heads // tp_group.size()  # key/value heads on this rank
+        self.group = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        # Output features are laid out head-major, (head, q|k|v, head_dim), so that a
-        # contiguous TP shard holds whole heads with their q, k and v.
-        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, config=mp,
+        # Output features laid out by key/value group (module docstring), so that a
+        # contiguous TP shard holds whole groups with their queries, key and value.
+        width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.d_model, width, config=mp,
                                         init_method=_no_init, bias=False, gather_output=False,
                                         tp_group=tp_group)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, config=mp, init_method=_no_init,
@@ -76,14 +90,18 @@ class Attention(nn.Module):
         qkv, _ = self.qkv(x)  # under SP: gathered to the full sequence first
         if self.seq_first:
             s, b, _ = qkv.shape
-            qkv = qkv.view(s, b, self.heads_local, 3, self.head_dim).permute(3, 1, 2, 0, 4)
+            qkv = qkv.view(s, b, self.groups_local, self.group + 2, self.head_dim)
+            qkv = qkv.permute(1, 2, 3, 0, 4)  # (B, groups, g + 2, S, head_dim)
         else:
             b, s, _ = qkv.shape
-            qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = rope(qkv[0]), rope(qkv[1]), qkv[2]
+            qkv = qkv.view(b, s, self.groups_local, self.group + 2, self.head_dim)
+            qkv = qkv.permute(0, 2, 3, 1, 4)
+        q, k, v = self._split(qkv)
+        q, k = rope(q), rope(k)
         dropout = self.dropout if self.training else 0.0
         with tp_rank_rng(self.tp_group, enabled=dropout > 0):  # heads differ per TP rank
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                 enable_gqa=self.group > 1)
         if self.seq_first:
             out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         else:
@@ -98,27 +116,56 @@ class Attention(nn.Module):
             raise ValueError("cached attention needs a model without sequence parallelism")
         qkv, _ = self.qkv(x)
         b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k = rope.at(qkv[0], kv.positions), rope.at(qkv[1], kv.positions)
-        keys, values = kv.append(k, qkv[2])
+        qkv = qkv.view(b, s, self.groups_local, self.group + 2, self.head_dim)
+        q, k, v = self._split(qkv.permute(0, 2, 3, 1, 4))
+        q, k = rope.at(q, kv.positions), rope.at(k, kv.positions)
+        keys, values = kv.append(k, v)  # the cache holds key/value heads only
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask,
-                                             is_causal=kv.is_causal)
+                                             is_causal=kv.is_causal, enable_gqa=self.group > 1)
         out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
 
 
+    def _split(self, qkv: torch.Tensor):
+        """q (B, heads, S, head_dim), k and v (B, key/value heads, S, head_dim) from the
+        grouped (B, groups, g + 2, S, head_dim)."""
+        b, groups, _, s, d = qkv.shape
+        q = qkv[:, :, :self.group].reshape(b, groups * self.group, s, d)
+        return q, qkv[:, :, self.group], qkv[:, :, self.group + 1]
+
+
+def _column(cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group, width: int):
+    return ColumnParallelLinear(cfg.d_model, width, config=mp, init_method=_no_init,
+                                bias=False, gather_output=False, tp_group=tp_group)
+
+
 class MLP(nn.Module):
+    """gpt: fc_out(gelu(fc_in(x))); llama: fc_out(silu(gate(x)) * up(x)) (SwiGLU)."""
+
     def __init__(self, cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group):
         super().__init__()
-        hidden = cfg.mlp_ratio * cfg.d_model
-        self.fc_in = ColumnParallelLinear(cfg.d_model, hidden, config=mp, init_method=_no_init,
-                                          bias=False, gather_output=False, tp_group=tp_group)
+        hidden = cfg.ffn_width
+        self.swiglu = cfg.block == "llama"
+        if self.swiglu:
+            self.gate = _column(cfg, mp, tp_group, hidden)
+            self.up = _column(cfg, mp, tp_group, hidden)
+        else:
+            self.fc_in = _column(cfg, mp, tp_group, hidden)
         self.fc_out = RowParallelLinear(hidden, cfg.d_model, config=mp, init_method=_no_init,
                                         bias=False, input_is_parallel=True, skip_bias_add=False,
                                         tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.fc_out(F.silu(self.gate(x)[0]) * self.up(x)[0])[0]
         return self.fc_out(F.gelu(self.fc_in(x)[0]))[0]
+
+
+def norm(cfg: DenseFormerConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm without bias (gpt) or RMSNorm (llama)."""
+    if cfg.block == "llama":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
 
 
 class Block(nn.Module):
@@ -128,9 +175,9 @@ class Block(nn.Module):
                  rope: RotaryEmbedding):
         super().__init__()
         self.rope = rope  # one table shared by all blocks (non-persistent buffers)
-        self.norm_attn = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.norm_attn = norm(cfg)
         self.attn = Attention(cfg, mp, tp_group)
-        self.norm_mlp = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=False)
+        self.norm_mlp = norm(cfg)
         self.mlp = MLP(cfg, mp, tp_group)
         self.dropout = nn.Dropout(cfg.dropout)
         # Under SP each TP rank holds another slice of the sequence: its own dropout stream.
