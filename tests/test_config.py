@@ -28,8 +28,9 @@ from pretrain.model.config import DenseFormerConfig, ModelConfigError, Range, nu
 from tests.conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
+# Sweep and study files are sweeps, checked in test_slurm_sweep.py and test_studies.py.
 CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml")
-                 if "sweeps" not in p.parts)  # sweep files are checked in test_slurm_sweep.py
+                 if not {"sweeps", "studies"} & set(p.parts))
 
 
 def write(path: Path, data: dict | str) -> Path:
