@@ -13,7 +13,7 @@ capacity: the longest prompt plus the new tokens) and a prefill over P prompt to
   autocast (generation on a GPU) also `weight_copies`: autocast casts each matmul weight
   (qkv, proj, fc_in, fc_out, and the embedding in the LM head) to bf16 once and keeps that
   copy until the autocast region ends, which is the whole `generate` call.
-- kv_cache: 2 x d x B x (n_heads / TP) x T x head_dim elements, allocated in full at the
+- kv_cache: 2 x d x B x (n_kv_heads / TP) x T x head_dim elements, allocated in full at the
   prefill, in the qkv projection's output dtype (bf16 under autocast).
 - dwa_decode: `DecodeDWAState`, len(pattern.stored) x B x d_model, the residual stream's
   dtype: fp32 also under autocast (a block output is the fp32 input plus a bf16 update).
@@ -129,7 +129,7 @@ def estimate_inference(model: DenseFormerConfig, parameters: dict[str, list[int]
     bytes_ = InferencePrecision.of(dtype)
     h, pattern = model.d_model, model.dwa_pattern
     weights = sum(sum(sizes) for sizes in parameters.values())
-    kv = 2 * model.n_layers * batch * (model.n_heads // tp) * context * model.head_dim
+    kv = 2 * model.n_layers * batch * (model.kv_heads // tp) * context * model.head_dim
     per_rank = dict(
         weights_bytes=weights * bytes_.weights,
         weight_copies_bytes=sum(parameters["decay"]) * bytes_.weight_copies,

@@ -25,7 +25,10 @@ A block keeps (10 + 2 r) hidden-size tensors when it is not checkpointed (r = ml
 its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qkv output
 (3, v is a view of it), the attention output, the MLP's up-projection and GELU outputs
 (r each); under TP everything but the LayerNorm region is split; under sequence parallelism
-that region too. Plus LayerNorm statistics and the attention log-sum-exp. The LM head keeps
+that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama blocks
+(`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
+of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
+repeats them into, and one more tensor per RMSNorm. The LM head keeps
 Y_d, the normed Y_d and the softmax (B x S x V / TP, fp32). Checked against autograd
 (parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. bf16 is modelled, not
 measured here: under autocast the residual stream, LayerNorm inputs and the softmax stay
@@ -126,22 +129,27 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
                      decay_alphas: bool) -> dict[str, list[int]]:
     """Element counts of this rank's parameter tensors, by AdamW group ("decay" /
     "no_decay", as pretrain.optim.param_groups), in the model's parameter order."""
-    h, r = model.d_model, model.mlp_ratio
+    h, ffn = model.d_model, model.ffn_width
+    qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim  # grouped-query: fewer k, v
+    mlp_in = 2 if model.block == "llama" else 1  # SwiGLU: gate and up
     decay, no_decay = [], []
     pattern = model.dwa_pattern
     if pattern.inputs:  # every rank holds the full alpha matrix
         (decay if decay_alphas else no_decay).append(math.prod(pattern.alpha_shape))
-    if first or last:
-        decay.append(model.padded_vocab_size * h // tp)  # embedding (tied LM head)
+    embedding = model.padded_vocab_size * h // tp
+    if first or (last and model.tie_embeddings):
+        decay.append(embedding)  # the embedding (and the tied LM head)
     for _ in blocks:
         no_decay.append(h)  # norm_attn
-        decay.extend([3 * h * h // tp, h * h // tp])  # qkv, proj
+        decay.extend([qkv * h // tp, h * h // tp])  # qkv, proj
         no_decay.append(h)  # norm_mlp
-        decay.extend([r * h * h // tp, r * h * h // tp])  # fc_in, fc_out
+        decay.extend([ffn * h // tp] * mlp_in + [ffn * h // tp])  # fc_in (gate, up), fc_out
         if model.skip_gains:
             no_decay.extend([1, 1])
     if last:
         no_decay.append(h)  # final norm
+        if not model.tie_embeddings:
+            decay.append(embedding)  # the untied LM head
     return {"decay": decay, "no_decay": no_decay}
 
 
@@ -184,6 +192,9 @@ class ActivationShape:
     tp: int
     sequence_parallel: bool
     precision: Precision
+    kv_heads: int | None = None  # None: heads (no grouped-query attention)
+    ffn: int | None = None  # the MLP's hidden width; None: mlp_ratio x hidden
+    llama: bool = False  # SwiGLU and RMSNorm (model.block llama)
 
     @property
     def tokens(self) -> int:  # B x S
@@ -203,8 +214,20 @@ class ActivationShape:
         """Bytes one non-checkpointed block keeps."""
         s, p = self.tokens * self.hidden, self.precision
         norm_region = (2 * p.stream + 2 * p.matmul) * s // self.seq_split  # x, h, 2 LN outs
-        split = (6 + 2 * self.mlp_ratio) * p.matmul * s // self.tp  # q, k, qkv, attn, mlp
-        stats = 4 * FP32 * self.tokens // self.seq_split  # mean, rstd of two LayerNorms
+        kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
+        ffn = self.tokens * (self.ffn or self.mlp_ratio * self.hidden)
+        # q, k after RoPE, the qkv output (q, k, v), the attention output; the MLP's inputs
+        # to its nonlinearity and fc_out: GELU's 2, SwiGLU's 4 (gate, up, silu, product).
+        attention = s + kv + (s + 2 * kv) + s
+        # Grouped-query attention: SDPA's CPU path repeats k and v to every query head and
+        # keeps the copies (fused GPU kernels need not).
+        attention += 2 * (s - kv)
+        split = (attention + (4 if self.llama else 2) * ffn) * p.matmul // self.tp
+        # Per token: mean and rstd of two LayerNorms, or the rstd of two RMSNorms, whose
+        # composite form also keeps the normalised input beside its output (one tensor each).
+        stats = (2 if self.llama else 4) * FP32 * self.tokens // self.seq_split
+        if self.llama:
+            norm_region += 2 * p.stream * s // self.seq_split
         lse = FP32 * self.tokens * (self.heads // self.tp)
         return norm_region + split + stats + lse
 
@@ -303,6 +326,7 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
     shape = ActivationShape(
         micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
+        kv_heads=model.kv_heads, ffn=model.ffn_width, llama=model.block == "llama",
         padded_vocab=model.padded_vocab_size, vocab=model.vocab_size, tp=p.tp,
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every

@@ -42,8 +42,8 @@ FP32_BYTES = 4
 
 def block_cost_units(cfg: DenseFormerConfig) -> tuple[float, float]:
     """(embedding, head) cost in blocks, as documented at the top of this module."""
-    h, s, m = cfg.d_model, cfg.seq_len, cfg.mlp_ratio
-    block = 2.0 * (4 + 2 * m) * h * h + 4.0 * s * h
+    h, s = cfg.d_model, cfg.seq_len
+    block = 2.0 * cfg.block_matmul_params() + 4.0 * s * h
     head = 2.0 * cfg.padded_vocab_size * h
     return 1.0, head / block
 

@@ -398,9 +398,10 @@ def test_reflection_finds_the_numeric_keys():
             "model.vocab_size", "optim.lr", "optim.warmup_steps", "train.seed",
             "train.max_consecutive_skips", "parallel.timeout_s", "checkpoint.keep"} <= keys
     assert not keys & {"model.dwa", "optim.decay_alphas", "tracking.required", "run.name"}
+    hints = typing.get_type_hints(DenseFormerConfig)
     assert {name for section, name, *_ in NUMERIC_KEYS if section == "model"} == {
         f.name for f in dataclasses.fields(DenseFormerConfig)
-        if typing.get_type_hints(DenseFormerConfig)[f.name] is not bool}
+        if hints[f.name] is not bool and typing.get_origin(hints[f.name]) is not typing.Literal}
 
 
 @pytest.mark.parametrize("section, name, field, kind, nullable", NUMERIC_KEYS,

@@ -33,14 +33,17 @@ MODELS = {  # name -> (n_layers, dilation, period, dwa)
     "dense-4x1": (8, 4, 1, True),
     "dense-4x5": (10, 4, 5, True),
     "transformer": (4, 1, 1, False),
+    "llama-1x1": (4, 1, 1, True),
 }
+# Llama blocks: SwiGLU, RMSNorm, grouped-query attention (4 heads over 2), an untied head.
+LLAMA = ["model.block=llama", "model.n_kv_heads=2", "model.tie_embeddings=false"]
 MODES = [("none", 1), ("block", 1), ("block", 2), ("dwa_block", 1), ("dwa_block", 3)]
 
 
 def model_overrides(name: str) -> list[str]:
     d, k, p, dwa = MODELS[name]
     return [f"model.n_layers={d}", f"model.dwa_dilation={k}", f"model.dwa_period={p}",
-            f"model.dwa={str(dwa).lower()}"]
+            f"model.dwa={str(dwa).lower()}", *(LLAMA if name.startswith("llama") else [])]
 
 
 def config(*overrides: str, world_size: int = 1):
@@ -111,14 +114,15 @@ STATE = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.vocab
          "model.seq_len=16", "train.batch_size=4", "train.dtype=fp32"]
 
 
-def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1) -> dict[str, int]:
+def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
+                     extra: tuple[str, ...] = ()) -> dict[str, int]:
     """(params, grads, optimizer) bytes this rank really holds after one step."""
     from pretrain.config import load_config
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
 
-    cfg = load_config(None, [*STATE, f"parallel.zero_stage={stage}", f"parallel.tp={tp}"],
-                      world_size=world_size)
+    cfg = load_config(None, [*STATE, f"parallel.zero_stage={stage}", f"parallel.tp={tp}",
+                             *extra], world_size=world_size)
     model = DenseFormer(cfg.model, seed=0)
     optimizer = build_optimizer(model, cfg.optim)
     zero = None
@@ -159,11 +163,11 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1) -> dict[str, 
 
 
 def expected_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
-                         rank: int = 0) -> dict[str, int]:
+                         rank: int = 0, extra: tuple[str, ...] = ()) -> dict[str, int]:
     from pretrain.config import load_config
 
-    cfg = load_config(None, [*STATE, f"parallel.zero_stage={stage}", f"parallel.tp={tp}"],
-                      world_size=world_size)
+    cfg = load_config(None, [*STATE, f"parallel.zero_stage={stage}", f"parallel.tp={tp}",
+                             *extra], world_size=world_size)
     r = estimated(cfg, world_size, rank)
     return {"params": r.params_bytes, "grads": r.grads_bytes, "optimizer": r.optimizer_bytes}
 
@@ -186,8 +190,9 @@ def tp_cases() -> dict:
     return out
 
 
-def test_state_estimate_equals_real_tensors_without_zero():
-    assert real_state_bytes(0) == expected_state_bytes(0)
+@pytest.mark.parametrize("extra", [(), tuple(LLAMA)], ids=["gpt", "llama"])
+def test_state_estimate_equals_real_tensors_without_zero(extra):
+    assert real_state_bytes(0, extra=extra) == expected_state_bytes(0, extra=extra)
 
 
 @pytest.mark.timeout(300)

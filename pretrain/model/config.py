@@ -199,7 +199,7 @@ class DenseFormerConfig:
                                  self.dwa_period if self.dwa else None, self.dwa_window,
                                  self.dwa_init_offdiag)
 
-    def _block_matmul_params(self) -> int:
+    def block_matmul_params(self) -> int:
         """Weights of one block's matmuls: q, k, v, output projection and the MLP."""
         h, kv = self.d_model, self.kv_heads * self.head_dim
         mlp = (3 if self.block == "llama" else 2) * h * self.ffn_width  # SwiGLU: gate, up, down
@@ -209,7 +209,7 @@ class DenseFormerConfig:
         """Parameter count from the shape alone (a tied embedding counted once; an untied LM
         head counts as embedding)."""
         h = self.d_model
-        per_block = self._block_matmul_params() + 2 * h  # + 2 norms
+        per_block = self.block_matmul_params() + 2 * h  # + 2 norms
         if self.skip_gains:
             per_block += 2
         n = self.n_layers * per_block + h  # + final norm
@@ -226,7 +226,7 @@ class DenseFormerConfig:
         (number of alpha connections) for the DWAs (one multiply-add per connection).
         """
         h = self.d_model
-        matmul = self.n_layers * self._block_matmul_params() + self.padded_vocab_size * h
+        matmul = self.n_layers * self.block_matmul_params() + self.padded_vocab_size * h
         attention = 12.0 * self.n_layers * self.seq_len * h
         dwa = self.dwa_pattern.n_connections * h
         return 6.0 * matmul + attention + 6.0 * dwa
