@@ -8,7 +8,7 @@ the time left):
 
 - speed: 48 x 768 paper-shape Transformer, DenseFormer 4x5 and 1x1, bf16 autocast on
   synthetic tokens, interleaved rounds: s/step, tokens/s, MFU against the device's spec peak
-  (gpu_check_perf.SPEC_PEAK_BF16; the measured matmul peak for an unknown device), ratios to
+  (pretrain/mfu.py's datasheet table; the measured matmul peak for an unknown device), ratios to
   the Transformer.
 - memory: parallel.memory's activation estimate against torch.cuda.max_memory_allocated for
   `block` and `dwa_block` activation checkpointing (bf16 and fp32).

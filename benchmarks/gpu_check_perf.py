@@ -20,14 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, by a substring
 # of torch.cuda.get_device_name(); the first match wins. An unknown device falls back to the
 # bf16 matmul throughput measured in the run, and the JSON says so.
-SPEC_PEAK_BF16 = (
-    ("H200", 989e12),
-    ("H100 80GB HBM3", 989e12),  # H100 SXM
-    ("H100 PCIe", 756e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-)
-
 VARIANTS = {  # name -> paper config
     "transformer": "configs/paper/transformer-48.yaml",
     "dense-4x5": "configs/paper/dense-48-4x5.yaml",
@@ -109,8 +101,11 @@ def timed(fn, device: torch.device) -> float:
 
 
 def spec_peak(device_name: str) -> float | None:
-    """The dense bf16 spec peak (FLOP/s) of a device named `device_name`, None if unknown."""
-    return next((flops for key, flops in SPEC_PEAK_BF16 if key in device_name), None)
+    """The dense bf16 datasheet peak (FLOP/s) of a device named `device_name`, None if
+    unknown (the trainer's table, pretrain/mfu.py)."""
+    from pretrain.mfu import datasheet_peak
+
+    return datasheet_peak(device_name, torch.bfloat16)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:

@@ -241,7 +241,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
-    from pretrain.mfu import measure_matmul_flops
+    from pretrain.mfu import peak_flops
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
@@ -265,7 +265,9 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         tracker.log_artifact(run_dir / "config.yaml")
 
     mc = trainer.model_cfg
-    peak = measure_matmul_flops(layout.device, trainer.dtype)
+    peak, peak_source = peak_flops(layout.device, trainer.dtype)
+    # Tags, not params: a resumed run may measure another CPU peak, and params never change.
+    tracker.set_tags({"mfu_peak_flops": f"{peak:.4g}", "mfu_peak_source": peak_source})
     flops_per_token = mc.flops_per_token()
     tokens_per_step = cfg.train.batch_size * mc.seq_len
     stop_at = cfg.train.stop_at or cfg.train.steps
@@ -273,7 +275,8 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         f"run dir: {run_dir}\nmodel: {mc.n_layers} blocks x {mc.d_model}, "
         f"{f'DenseFormer {mc.dwa_dilation}x{mc.dwa_period}' if mc.dwa else 'Transformer'}"
         f", {trainer.model.num_params() / 1e6:.2f}M parameters; layout {layout.name}; "
-        f"device {layout.device}, {trainer.dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"device {layout.device}, {trainer.dtype}; MFU peak {peak / 1e9:.1f} GFLOP/s "
+        f"({peak_source})"
         + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
            if trainer.resume_from else "")
         + (f"\nweights from {trainer.origin['init_from']} (step "
