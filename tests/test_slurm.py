@@ -224,6 +224,10 @@ def test_sbatch_exit_status_reflects_a_bad_config(cluster, tiny_data, tmp_path):
     assert "model.n_heads" in log and "requeue" not in log
 
 
+# Slow: tests/test_study_run.py submits a job array (and dependent jobs) on the local Slurm
+# and reads every run back in its default test; the fit is checked on exact laws in
+# tests/test_study_report.py.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_job_array_lands_four_runs_in_one_experiment_and_fits(cluster, tiny_data, tmp_path):
     out = tmp_path / "sweep"
