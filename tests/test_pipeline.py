@@ -29,7 +29,12 @@ MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
     "dense-4x5": dict(n_layers=10, dwa_dilation=4, dwa_period=5),
     "transformer": dict(n_layers=4, dwa=False),
     "odd-3x2": dict(n_layers=7, dwa_dilation=3, dwa_period=2),  # k, p divide no stage size
+    # Llama blocks with grouped-query attention and an untied head: the head's weight lives
+    # on the last stage only, with no embedding-group reduction.
+    "llama-1x1-untied": dict(n_layers=6, dwa_dilation=1, dwa_period=1, block="llama",
+                             n_kv_heads=2, tie_embeddings=False),
 }
+LLAMA_KEYS = ("block", "n_kv_heads", "tie_embeddings")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +235,9 @@ def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpo
     cfg = model_config(**{"d": MODELS[model_name]["n_layers"],
                           "k": MODELS[model_name].get("dwa_dilation", 1),
                           "p": MODELS[model_name].get("dwa_period", 1),
-                          "dwa": MODELS[model_name].get("dwa", True)})
+                          "dwa": MODELS[model_name].get("dwa", True),
+                          **{key: MODELS[model_name][key] for key in LLAMA_KEYS
+                             if key in MODELS[model_name]}})
     d = cfg.n_layers
     for split in random_splits(d, min(4, d), 2, random.Random(d)):
         plan = build_plan(cfg, len(split), split=split, transfer=mode)
@@ -307,7 +314,8 @@ def make_case(name: str, mode: str, m: int, *, pp: int, virtual_stages: int = 1,
     """A case with its single-process reference (computed here, in the test process)."""
     fields = MODELS[name]
     model = dict(d=fields["n_layers"], k=fields.get("dwa_dilation", 1),
-                 p=fields.get("dwa_period", 1), dwa=fields.get("dwa", True))
+                 p=fields.get("dwa_period", 1), dwa=fields.get("dwa", True),
+                 **{key: fields[key] for key in LLAMA_KEYS if key in fields})
     case_split = split(fields["n_layers"]) if callable(split) else split
     flag_text = "".join(f"/{key}" for key, on in flags.items() if on)
     return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}{flag_text}",
@@ -360,7 +368,8 @@ DEFAULT_CASES = {
             (["dense-4x1"], ["raw"], [8], {})],
     "tp2-pp2": [(["dense-1x1", "transformer"], ["optimal"], [2], {}),
                 (["odd-3x2"], ["raw"], [2], CKPT),
-                (["dense-4x5"], ["optimal"], [2], {**CKPT, "sequence_parallel": True})],
+                (["dense-4x5", "llama-1x1-untied"], ["optimal"], [2],
+                 {**CKPT, "sequence_parallel": True})],
     "pp2-dp2": [(["dense-1x1", "odd-3x2"], ["optimal"], [2], {}),
                 (["dense-4x5"], ["raw"], [3], {})],
 }
