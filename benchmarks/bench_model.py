@@ -6,6 +6,8 @@ work moves the figures less), interleaved round by round (the order reversed eve
 round), one optimizer step (forward, backward, AdamW) per configuration per round:
 
 - ours: `transformer`, `dense-1x1`, `dense-4x1`, `dense-4x5` (pretrain.model.DenseFormer);
+  with `--llama` also `llama-transformer`, `llama-1x1`, `llama-4x5` (Llama-style blocks,
+  SwiGLU width 8/3 x width rounded to 64: about the gpt block's parameter count);
 - `anchor`: a plain nanoGPT-style Transformer written here (pre-LN, LayerNorm without bias,
   fused QKV, causal SDPA, RoPE, 4x GELU MLP, tied head; torch.nn layers only);
 - `reference-KxP`: the anchor with a clean-room DWA in the style of the official DenseFormer
@@ -14,12 +16,12 @@ round), one optimizer step (forward, backward, AdamW) per configuration per roun
   one `torch.tensordot` of its weights with a `torch.stack` of the outputs it reads.
 
 Reported per configuration: median and best s/step, tokens/s, the ratio of its median to our
-Transformer's, and MFU: model FLOPs (DenseFormerConfig.flops_per_token) per second over the
-best matmul FLOP/s measured between the rounds at the same thread count. `--dwa-only`
-replaces every block by a scalar multiply, so the time left is the DWAs' (and the head's).
-`--json` prints the results as JSON.
+Transformer's and to the Transformer of its own block (for the llama rows), and MFU: model
+FLOPs (DenseFormerConfig.flops_per_token) per second over the best matmul FLOP/s measured
+between the rounds at the same thread count. `--dwa-only` replaces every block by a scalar
+multiply, so the time left is the DWAs' (and the head's). `--json` prints the results as JSON.
 
-    .venv/bin/python benchmarks/bench_model.py [--layers 48 --width 256 --rounds 5] [--json]
+    .venv/bin/python benchmarks/bench_model.py [--layers 48 --width 256] [--llama] [--json]
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ OURS = {"transformer": dict(dwa=False), "dense-1x1": dict(dwa_dilation=1, dwa_pe
         "dense-4x1": dict(dwa_dilation=4, dwa_period=1),
         "dense-4x5": dict(dwa_dilation=4, dwa_period=5)}
 REFERENCE = {"reference-1x1": (1, 1), "reference-4x1": (4, 1), "reference-4x5": (4, 5)}
+LLAMA = {"llama-transformer": dict(dwa=False), "llama-1x1": OURS["dense-1x1"],
+         "llama-4x5": OURS["dense-4x5"]}
+LLAMA_BLOCK = dict(block="llama", ffn_multiple_of=64)
 
 
 class AnchorBlock(nn.Module):
@@ -125,6 +130,7 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--llama", action="store_true", help="also Llama-style blocks")
     p.add_argument("--dwa-only", action="store_true",
                    help="blocks replaced by a scalar multiply: the DWAs' own cost")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -134,7 +140,9 @@ def parse_args():
 def build(args) -> dict:
     """name -> (model, optimizer, FLOPs per token)."""
     runs = {}
-    for name, extra in OURS.items():
+    ours = {**OURS, **({n: {**e, **LLAMA_BLOCK} for n, e in LLAMA.items()} if args.llama
+                       else {})}
+    for name, extra in ours.items():
         cfg = DenseFormerConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads,
                                 vocab_size=args.vocab, seq_len=args.seq, **extra)
         model = DenseFormer(cfg)
@@ -191,6 +199,8 @@ def main() -> None:
         results["configurations"][name] = {
             "median_s_per_step": median, "best_s_per_step": min(times[name]),
             "tokens_per_s": tokens_per_step / median, "vs_our_transformer": median / base,
+            "vs_own_block_transformer": median / statistics.median(
+                times["llama-transformer" if name.startswith("llama") else "transformer"]),
             "mfu": math.nan if args.dwa_only else flops * tokens_per_step / median / peak}
     if args.json:
         print(json.dumps(results, indent=1))
@@ -198,12 +208,13 @@ def main() -> None:
     print(f"{args.layers} blocks x {args.width}, seq {args.seq}, batch {args.batch}, vocab "
           f"{args.vocab}; {args.threads} thread(s); {args.rounds} interleaved rounds; best "
           f"matmul {peak / 1e9:.1f} GFLOP/s{'; DWA only' if args.dwa_only else ''}")
-    print(f"{'configuration':<15} {'median s':>9} {'best s':>8} {'tokens/s':>9} "
-          f"{'vs ours':>8} {'MFU':>6}")
+    print(f"{'configuration':<17} {'median s':>9} {'best s':>8} {'tokens/s':>9} "
+          f"{'vs ours':>8} {'vs block':>9} {'MFU':>6}")
     for name, r in results["configurations"].items():
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
-        print(f"{name:<15} {r['median_s_per_step']:>9.4f} {r['best_s_per_step']:>8.4f} "
-              f"{r['tokens_per_s']:>9.0f} {r['vs_our_transformer']:>8.3f} {mfu:>6}")
+        print(f"{name:<17} {r['median_s_per_step']:>9.4f} {r['best_s_per_step']:>8.4f} "
+              f"{r['tokens_per_s']:>9.0f} {r['vs_our_transformer']:>8.3f} "
+              f"{r['vs_own_block_transformer']:>9.3f} {mfu:>6}")
 
 
 if __name__ == "__main__":
