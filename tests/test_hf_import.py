@@ -102,6 +102,10 @@ def pp2_loss(run_dir) -> float:
     return runner.loss(TOKENS[:, :-1], TOKENS[:, 1:]).item()
 
 
+# Slow: llama blocks with grouped-query attention and an untied head are checked at TP = 2
+# and PP = 2 against the single-process model by default (tests/test_tensor_parallel.py,
+# tests/test_pipeline.py), and the single-process model against transformers above.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_imported_model_at_tp2_and_pp2(llama_dir, tmp_path):
     import torch.nn.functional as F

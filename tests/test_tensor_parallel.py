@@ -116,6 +116,9 @@ def test_replicated_parameters_stay_identical_and_weights_match_after_steps():
         torch.testing.assert_close(full0[name], value, rtol=1e-4, atol=5e-5)
 
 
+# Slow: the trainer at TP = 2 runs by default in tests/test_sharded_checkpoint.py (TP2 x PP2,
+# resumed at other layouts) and tests/test_timeouts.py; the numerics are checked above.
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_cli_tp2_matches_tp1_and_checkpoint_loads_at_tp1(tiny_data, tmp_path):
     steps = ["train.steps=6", "tracking.enabled=false", "model.n_heads=2"]
