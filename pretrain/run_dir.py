@@ -216,8 +216,23 @@ def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int)
     return {"model": dict(model_section), "tokenizer_sha256": tokenizer_sha256, "seed": seed}
 
 
+def saved_model_section(section: dict) -> dict:
+    """A checkpoint's model section with the model keys added since it was written at their
+    defaults, which is what its model had (gpt blocks, a tied head, ...)."""
+    import dataclasses
+
+    from pretrain.model.config import DenseFormerConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DenseFormerConfig)
+                if f.default is not dataclasses.MISSING}
+    return {**defaults, **section}
+
+
 def fingerprint_mismatch(saved: dict, current: dict) -> list[str]:
-    """The dotted keys on which two fingerprints differ, as 'key: saved -> now'."""
+    """The dotted keys on which two fingerprints differ, as 'key: saved -> now' (model keys
+    the checkpoint predates count as their defaults)."""
+    if isinstance(saved.get("model"), dict):
+        saved = {**saved, "model": saved_model_section(saved["model"])}
     differ = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)

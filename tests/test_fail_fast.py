@@ -95,3 +95,21 @@ def test_eval_of_a_missing_checkpoint_exits_2_naming_it(tmp_path):
                  timeout=120)
     assert result.returncode == 2, result.stderr
     assert "--checkpoint" in result.stderr and str(missing) in result.stderr
+
+
+def test_a_checkpoint_from_before_the_block_keys_resumes_as_the_gpt_model_it_was():
+    """Model keys added after a checkpoint was written (model.block, n_kv_heads,
+    tie_embeddings, ffn_hidden_size, ffn_multiple_of) count as their defaults."""
+    from pretrain.config import config_to_dict, load_config
+    from pretrain.init_from import model_mismatch
+    from pretrain.run_dir import fingerprint, fingerprint_mismatch
+
+    new = ("block", "n_kv_heads", "tie_embeddings", "ffn_hidden_size", "ffn_multiple_of")
+    now = config_to_dict(load_config(None, []))["model"]
+    old = {k: v for k, v in now.items() if k not in new}
+    assert fingerprint_mismatch(fingerprint(old, "t", 0), fingerprint(now, "t", 0)) == []
+    assert model_mismatch(old, now) == []
+    llama = {**now, "block": "llama"}
+    assert fingerprint_mismatch(fingerprint(old, "t", 0), fingerprint(llama, "t", 0)) == [
+        "model.block: 'gpt' in the checkpoint, 'llama' now"]
+    assert model_mismatch(old, llama) == ["model.block: 'gpt' in the checkpoint, 'llama' now"]
