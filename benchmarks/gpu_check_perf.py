@@ -15,18 +15,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from pretrain.mfu import spec_peak
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, by a substring
-# of torch.cuda.get_device_name(); the first match wins. An unknown device falls back to the
-# bf16 matmul throughput measured in the run, and the JSON says so.
-SPEC_PEAK_BF16 = (
-    ("H200", 989e12),
-    ("H100 80GB HBM3", 989e12),  # H100 SXM
-    ("H100 PCIe", 756e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-)
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = {  # name -> paper config
     "transformer": "configs/paper/transformer-48.yaml",
@@ -108,13 +99,9 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def spec_peak(device_name: str) -> float | None:
-    """The dense bf16 spec peak (FLOP/s) of a device named `device_name`, None if unknown."""
-    return next((flops for key, flops in SPEC_PEAK_BF16 if key in device_name), None)
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
-    """The MFU denominator: the spec peak of a known GPU, else the measured matmul peak."""
+    """The MFU denominator: the spec peak of a known GPU (pretrain/mfu.py's table), else the
+    measured matmul peak."""
     from pretrain.mfu import measure_matmul_flops
 
     size = 8192 if device.type == "cuda" else 512
