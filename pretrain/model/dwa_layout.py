@@ -86,3 +86,15 @@ def buffer_layout(reads_of: Mapping[int, tuple[int, ...]], dilation: int) -> Buf
     return BufferLayout(frozen(slot), frozen(sizes), frozen(reads), frozen(row),
                         frozen(class_rows), frozen(readers), frozen(weights_index),
                         frozen(column_index))
+
+
+def buffered_traffic(pattern) -> dict[str, int]:
+    """Hidden-size tensors (B x S x H each) the buffered DWA of a `DWAPattern` reads or
+    writes in one forward and one backward, and the floor of each (what any scheme that
+    reads every (i, j) pair once must move), as docs/design.md#bytes-moved-by-the-dwas
+    counts them. C = sum |S_i|, D the DWAs, s the stored X_j, u the stored X_j that also
+    feed the next block (an upstream gradient to add)."""
+    c, d, s = pattern.n_connections, len(pattern.inputs), len(pattern.stored)
+    u = sum(1 for j in pattern.stored if not pattern.has_dwa(j))
+    return {"forward": 2 * s + c + d, "backward": c + 2 * d + 2 * s + u,
+            "floor_forward": c + d, "floor_backward": c + 2 * s + u}
