@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
+from pretrain.mfu import spec_peak
+
 ROOT = Path(__file__).resolve().parent.parent
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, by a substring
-# of torch.cuda.get_device_name(); the first match wins. An unknown device falls back to the
-# bf16 matmul throughput measured in the run, and the JSON says so.
 VARIANTS = {  # name -> paper config
     "transformer": "configs/paper/transformer-48.yaml",
     "dense-4x5": "configs/paper/dense-48-4x5.yaml",
@@ -100,16 +99,9 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def spec_peak(device_name: str) -> float | None:
-    """The dense bf16 datasheet peak (FLOP/s) of a device named `device_name`, None if
-    unknown (the trainer's table, pretrain/mfu.py)."""
-    from pretrain.mfu import datasheet_peak
-
-    return datasheet_peak(device_name, torch.bfloat16)
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
-    """The MFU denominator: the spec peak of a known GPU, else the measured matmul peak."""
+    """The MFU denominator: the spec peak of a known GPU (pretrain/mfu.py's table), else the
+    measured matmul peak."""
     from pretrain.mfu import measure_matmul_flops
 
     size = 8192 if device.type == "cuda" else 512

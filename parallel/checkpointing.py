@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.dwa import Combine, DWABuffers, StoreOutput, depth_weighted_average
+from pretrain.model.dwa import BufferedDWA, depth_weighted_average
 
 MODES = ("none", "block", "dwa_block")
 
@@ -96,7 +96,8 @@ class _UnitRunner:
         self.recorder = recorder
         self.plan = plan = model.dwa_pattern  # pretrain/model/dwa_pattern.py
         self.lead_dwa = lead_dwa
-        self.buffers = None if functional or not plan.slot else DWABuffers(plan.class_sizes, x0)
+        self.buffered = None if functional or not plan.slot else BufferedDWA(
+            plan.layout, model.dwa_alpha, x0)
         # j -> autograd handle of an X_j that a later DWA reads: after(X_j) when buffered
         # (X_j itself is in the buffer), else the tensor X_j.
         self.handles: dict[int, torch.Tensor] = {}
@@ -106,33 +107,29 @@ class _UnitRunner:
 
     def keep(self, j: int, x: torch.Tensor, handles: dict) -> torch.Tensor:
         if j in self.plan.slot:
-            if self.buffers is None:
+            if self.buffered is None:
                 handles[j] = x
             else:
-                x = StoreOutput.apply(x, self.buffers, *self.plan.slot[j])
+                x = self.buffered.store(j, x)
                 handles[j] = after(x)
         return x
 
     def dwa(self, i: int, alpha: torch.Tensor, handles: dict) -> torch.Tensor:
         """Y_i = sum over S_i of alpha[i, j] X_j."""
-        js = self.plan.inputs[i]
-        weights = alpha[i - 1, js]
-        deps = [handles[j] for j in js]
-        if self.buffers is None:
-            return depth_weighted_average(weights, deps)
-        return Combine.apply(weights, self.buffers, *self.plan.reads[i], *deps)
+        deps = [handles[j] for j in self.plan.inputs[i]]
+        if self.buffered is None:
+            return depth_weighted_average(alpha[self.plan.layout.weights_index[i]], deps)
+        return self.buffered.combine(i, deps)
 
     def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
         """A fresh copy of the buffered X_j (its gradient goes to the gradient buffer)."""
-        r, position = self.plan.slot[j]
-        one = torch.ones(1, dtype=self.buffers.values[r].dtype, device=handle.device)
-        return Combine.apply(one, self.buffers, r, position, position + 1, handle)
+        return self.buffered.read_stored(j, handle)
 
     def recomputes_entry(self, a: int) -> bool:
         """Whether the unit starting at block a recomputes its input Y_{a-1} itself."""
         j = a - 1
         return self.lead_dwa and (j in self.plan.inputs
-                                  or (self.buffers is not None and j in self.plan.slot))
+                                  or (self.buffered is not None and j in self.plan.slot))
 
     # -- the loop ------------------------------------------------------------------------
 

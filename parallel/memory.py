@@ -279,9 +279,10 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
                               plan, boundary_bytes: int = FP32) -> dict[str, int]:
     """Bytes on pipeline rank `pp_rank` under 1F1B: its stages' blocks for each micro-batch
     in flight, the tensors each received, and one recompute working set. Approximate (the
-    stages run the functional DWA, which keeps each X_j it reads once). A tensor received in
-    a narrower dtype than the stream (`boundary_bytes`: bf16 under parallel.pipeline_dtype
-    compute) is held twice: as received, and widened to the stream dtype."""
+    buffered DWA of each stage keeps a copy of every X_j its DWAs read, received or made
+    there, as the whole model does). A tensor received in a narrower dtype than the stream
+    (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
+    received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
@@ -290,8 +291,10 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     for s in plan.stages_of_rank(pp_rank):
         first, last = plan.stages[s]
         blocks = range(first, last + 1)
-        # The X_j made on this stage that some DWA reads (all such DWAs come after block j).
-        stored = [j for j in blocks if j in plan.pattern.last_reader]
+        # The X_j made on this stage that some DWA reads (all such DWAs come after block j),
+        # and the received X_j that a DWA here reads (copied into this stage's DWA buffers).
+        stored = {j for j in blocks if j in plan.pattern.last_reader}
+        stored |= {j for terms in plan.programs[s].dwa_reads().values() for j in terms}
         per_micro += len(stored) * shape.stream_tensor
         if s > 0:
             count = plan.counts[s - 1]

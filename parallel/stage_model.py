@@ -32,6 +32,7 @@ from pretrain.model.denseformer import (
     lm_head,
     megatron_config,
 )
+from pretrain.model.dwa_layout import buffer_layout
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, RotaryEmbedding, _no_init, norm
 
@@ -104,6 +105,8 @@ class StageModule(nn.Module):
         self.program = program
         self.activation_checkpointing = activation_checkpointing
         self.boundary_dtype = boundary_dtype  # what this stage sends (parallel.pipeline_dtype)
+        # The buffered DWA's plan for this stage's partial DWAs (as in the whole model).
+        self.dwa_layout = buffer_layout(program.dwa_reads(), model.dwa_pattern.dilation)
 
     def _block_fn(self, i: int):
         block = self.model.block(i)
@@ -125,7 +128,8 @@ class StageModule(nn.Module):
             for item, tensor in zip(program.incoming, received, strict=True):
                 (x if item.kind == "x" else sums)[item.index] = tensor
         blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
-        out = run_program(program, model.dwa_alpha, x, sums, blocks)
+        layout = None if torch.compiler.is_compiling() else self.dwa_layout
+        out = run_program(program, model.dwa_alpha, x, sums, blocks, layout)
         if program.is_last:
             # (B, S, V / TP), or (S, B, V / TP) under sequence parallelism
             return model.local_logits(out, seq_first=True)

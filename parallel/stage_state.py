@@ -178,6 +178,12 @@ class StageProgram:
     def is_last(self) -> bool:
         return self.last == self.n_layers
 
+    def dwa_reads(self) -> dict[int, tuple[int, ...]]:
+        """{c: the X_j this stage folds into the DWA after block c} (the buffered DWA's
+        consumers, pretrain/model/dwa_layout.py)."""
+        return {src.index: src.terms for src in self.block_inputs + self.outgoing_sources
+                if src.kind == "dwa" and src.terms}
+
     def alpha_entries(self) -> set[tuple[int, int]]:
         """The (c, j) whose alpha[c, j] this stage applies."""
         return {(src.index, j) for src in self.block_inputs + self.outgoing_sources
@@ -233,18 +239,30 @@ def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
             for s, (first, last) in enumerate(stages)]
 
 
-def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict):
+def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
+                layout=None):
     """Execute a StageProgram on tensors. `x` maps j to X_j (received, or X_0 on the first
     stage), `sums` maps c to a received partial sum; `blocks[i]` is block i's callable;
-    `alpha` is the full (d, d + 1) matrix. Returns the outgoing tensors (a tuple), or Y_d
-    on the last stage."""
-    from pretrain.model.dwa import depth_weighted_average
+    `alpha` is the full (d, d + 1) matrix. With `layout` (`buffer_layout` of
+    `program.dwa_reads()`) the DWAs run buffered, as in the single-process model, else
+    functional (stack + tensordot). Returns the outgoing tensors (a tuple), or Y_d on the
+    last stage."""
+    from pretrain.model.dwa import BufferedDWA, depth_weighted_average
+
+    buffered = None
+    if layout is not None and layout.slot:
+        like = next(iter((*x.values(), *sums.values())))
+        buffered = BufferedDWA(layout, alpha, like)
+        for j in list(x):
+            x[j] = buffered.store(j, x[j])
 
     def form(src: Source):
         if src.kind == "x":
             return x[src.index]
         total = None
-        if src.terms:
+        if src.terms and buffered is not None:
+            total = buffered.combine(src.index, [x[j] for j in src.terms])
+        elif src.terms:
             total = depth_weighted_average(alpha[src.index - 1, list(src.terms)],
                                            [x[j] for j in src.terms])
         if src.base:
@@ -254,5 +272,7 @@ def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict)
     blocks_in = range(program.first, program.last + 1)
     for i, src in zip(blocks_in, program.block_inputs, strict=True):
         x[i] = blocks[i](form(src))
+        if buffered is not None:
+            x[i] = buffered.store(i, x[i])
     outputs = tuple(form(src) for src in program.outgoing_sources)
     return outputs[0] if program.is_last else outputs

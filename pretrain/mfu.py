@@ -1,54 +1,105 @@
-"""Model FLOPs utilisation: model FLOP/s over the device's peak, and where the peak comes from.
+"""Model FLOPs utilisation: model FLOP/s over one named peak.
 
-On a GPU the peak is the device's dense (no sparsity) datasheet figure for the compute
-dtype, looked up by `torch.cuda.get_device_name` in `DATASHEET_PEAKS`; a device not in the
-table falls back to the best matmul throughput measured at start-up, and says so. On a CPU
-there is no datasheet figure: the peak is the measured fp32 (or bf16) matmul, named as such.
-`peak_flops` returns the figure and a one-line source that the trainer logs and tags on the
-MLflow run (`mfu_peak_flops`, `mfu_peak_source`; the metric stays `mfu`).
+    MFU = flops_per_token x tokens/s / (peak x devices)
+
+(`DenseFormerConfig.flops_per_token`: 6N + 12 L H T, the nanoGPT/PaLM count, plus the DWAs).
+What the peak is, by device (`device_peak`):
+
+- a GPU in `DEVICE_PEAKS`: its dense (no sparsity) datasheet peak for the training precision
+  (bf16 and fp16 alike; fp32 as TF32 tensor cores when torch allows TF32 matmuls, else the
+  plain fp32 rate), the same number on every run;
+- any other GPU: a matmul of that dtype measured once at start-up, and the source says so;
+- a CPU (or any other device): a matmul at the current thread count, re-measured every
+  `CPU_REMEASURE_S` seconds (`TrainingPeak`), so that on a shared machine the peak and the
+  step time see the same contention. It is "the fraction of this machine's matmul speed
+  right now", not a hardware peak, and is named that way in the logs.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-# Dense peak FLOP/s per device from NVIDIA's datasheets: (name fragment, bf16, fp32), matched
-# in order against torch.cuda.get_device_name (so "H100 PCIe" before "H100"). fp32 is
-# plain FP32 (matmuls under TF32 can reach more; the trainer does not enable TF32).
-DATASHEET_PEAKS = (
-    ("H200", 989e12, 67e12),
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100 NVL", 835e12, 60e12),
-    ("H100", 989e12, 67e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("GH200", 989e12, 67e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("L40", 181e12, 90.5e12),
-    ("L4", 121e12, 30.3e12),
+# (fragment of torch.cuda.get_device_name, dense FLOP/s for bf16, tf32, fp32), most specific
+# first: NVIDIA datasheets, sparsity excluded (their "with sparsity" figures halved).
+DEVICE_PEAKS = (
+    ("H200 NVL", 835e12, 417.5e12, 60e12),
+    ("H200", 989e12, 494.7e12, 67e12),
+    ("H100 NVL", 835e12, 417.5e12, 60e12),
+    ("H100 PCIe", 756e12, 378e12, 51e12),
+    ("H100", 989e12, 494.7e12, 67e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("A100", 312e12, 156e12, 19.5e12),
+    ("L40S", 362e12, 183e12, 91.6e12),
+    ("L40", 181e12, 90.5e12, 90.5e12),
+    ("L4", 121e12, 60e12, 30.3e12),
 )
+_COLUMNS = {"bf16": 1, "tf32": 2, "fp32": 3}
+CPU_REMEASURE_S = 300.0
 
 
-def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
-    """The datasheet peak of a device by name, None if it is not in the table."""
-    for fragment, bf16, fp32 in DATASHEET_PEAKS:
-        if fragment in device_name:
-            return bf16 if dtype == torch.bfloat16 else fp32
-    return None
+def precision_of(device: torch.device, dtype: torch.dtype) -> str:
+    """The precision a matmul of `dtype` runs at: bf16 (also fp16), tf32 or fp32."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "fp32"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, what it is) for MFU on `device` computing in `dtype`."""
-    kind = str(dtype).removeprefix("torch.")
+def spec_peak(device_name: str, precision: str = "bf16") -> float | None:
+    """The dense datasheet peak (FLOP/s) of a device named `device_name`, None if unknown."""
+    row = next((row for row in DEVICE_PEAKS if row[0] in device_name), None)
+    return None if row is None else row[_COLUMNS[precision]]
+
+
+@dataclass(frozen=True)
+class Peak:
+    """An MFU denominator and what it is (`source`, for logs and run params)."""
+
+    flops: float
+    source: str
+    fixed: bool  # False: a CPU measurement, re-taken as training goes
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
+    """The peak MFU is measured against on `device` for `dtype` (see the module docstring)."""
+    precision = precision_of(device, dtype)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = datasheet_peak(name, dtype)
-        if peak is not None:
-            return peak, f"datasheet dense {kind} peak of {name}"
-        return (measure_matmul_flops(device, dtype),
-                f"measured {kind} matmul ({name} is not in pretrain/mfu.py's datasheet table)")
-    return measure_matmul_flops(device, dtype), f"measured {kind} matmul on {device.type}"
+        spec = spec_peak(name, precision)
+        if spec is not None:
+            return Peak(spec, f"datasheet: dense {precision} peak of {name}", True)
+        measured = measure_matmul_flops(device, dtype, size=8192, seconds=1.0)
+        return Peak(measured, f"measured: {precision} matmul on {name}, which is not in "
+                    "the table of known devices (pretrain/mfu.py)", True)
+    measured = measure_matmul_flops(device, dtype, size=1024, seconds=0.3)
+    return Peak(measured, f"measured: {precision} matmul on {device.type} with "
+                f"{torch.get_num_threads()} threads, re-measured every "
+                f"{CPU_REMEASURE_S:.0f} s", fixed=False)
+
+
+class TrainingPeak:
+    """The peak of the training log: fixed on a GPU; on a CPU re-measured every `interval`
+    seconds (0.3 s each), between steps."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype,
+                 interval: float = CPU_REMEASURE_S):
+        self.device, self.dtype, self.interval = device, dtype, interval
+        self.peak = device_peak(device, dtype)
+        self.measured_at = time.monotonic()
+
+    @property
+    def source(self) -> str:
+        return self.peak.source
+
+    def flops(self) -> float:
+        """The current peak (FLOP/s), re-measured first if it is due."""
+        if not self.peak.fixed and time.monotonic() - self.measured_at >= self.interval:
+            self.peak = device_peak(self.device, self.dtype)
+            self.measured_at = time.monotonic()
+        return self.peak.flops
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,

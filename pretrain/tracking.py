@@ -321,6 +321,15 @@ class Tracker:
         if batch:
             self._guard("log_metrics", self._client.log_batch, self.run_id, batch)
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log run params (values as strings) beyond the config's, e.g. the MFU peak."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        batch = [Param(k, str(v)) for k, v in params.items()]
+        self._guard("log_params", self._client.log_batch, self.run_id, (), batch)
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Set run tags (values as strings), e.g. {"layout": "tp1-pp1-dp1"}."""
         if not self.enabled:

@@ -241,7 +241,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
-    from pretrain.mfu import peak_flops
+    from pretrain.mfu import TrainingPeak
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
@@ -265,9 +265,10 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         tracker.log_artifact(run_dir / "config.yaml")
 
     mc = trainer.model_cfg
-    peak, peak_source = peak_flops(layout.device, trainer.dtype)
-    # Tags, not params: a resumed run may measure another CPU peak, and params never change.
-    tracker.set_tags({"mfu_peak_flops": f"{peak:.4g}", "mfu_peak_source": peak_source})
+    peak = TrainingPeak(layout.device, trainer.dtype)
+    # Params of a fresh run; a resumed run (perhaps on other hardware) tags its own peak.
+    peak_info = {"mfu_peak_flops": f"{peak.flops():.4g}", "mfu_peak_source": peak.source}
+    (tracker.set_tags if resumed_at is not None else tracker.log_params)(peak_info)
     flops_per_token = mc.flops_per_token()
     tokens_per_step = cfg.train.batch_size * mc.seq_len
     stop_at = cfg.train.stop_at or cfg.train.steps
@@ -275,8 +276,8 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         f"run dir: {run_dir}\nmodel: {mc.n_layers} blocks x {mc.d_model}, "
         f"{f'DenseFormer {mc.dwa_dilation}x{mc.dwa_period}' if mc.dwa else 'Transformer'}"
         f", {trainer.model.num_params() / 1e6:.2f}M parameters; layout {layout.name}; "
-        f"device {layout.device}, {trainer.dtype}; MFU peak {peak / 1e9:.1f} GFLOP/s "
-        f"({peak_source})"
+        f"device {layout.device}, {trainer.dtype}; MFU peak {peak.flops() / 1e9:.1f} GFLOP/s "
+        f"({peak.source})"
         + (f"\nresuming from {trainer.resume_from} (step {trainer.step})"
            if trainer.resume_from else "")
         + (f"\nweights from {trainer.origin['init_from']} (step "
@@ -302,7 +303,9 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                 record = trainer.train_step(trainer.next_batch(data))
                 elapsed = time.perf_counter() - start
                 record["tokens_per_s"] = tokens_per_step / elapsed
-                record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * layout.world)
+                record["mfu_peak_flops"] = peak.flops()
+                record["mfu"] = (flops_per_token * record["tokens_per_s"]
+                                 / (record["mfu_peak_flops"] * layout.world))
                 step = record["step"]
                 if main:
                     metrics.log(record)

@@ -2,8 +2,9 @@
 
 Each case runs the trainer's engine (`build_engine`) for 3 AdamW steps twice in one spawn,
 `parallel.dp_reduction: ddp` and `flat`, on the same data, and compares per step the summed
-micro-batch losses and the global gradient norms (1e-6 relative: DDP divides each gradient
-by DP before it sums, the flat path after, so the last bits differ), and at the end every
+micro-batch losses and the global gradient norms (1e-6 relative at the first step: DDP
+divides each gradient by DP before it sums, the flat path after, so the last bits differ;
+1e-5 once AdamW's normalised updates have amplified them), and at the end every
 parameter of the rank (1e-6 absolute: AdamW's normalised step turns a last-bit difference in
 a near-zero gradient entry into a move of up to ~2e-7 at lr 1e-2). Before the update, DDP's
 gradients are already the DP mean (equal on both DP ranks), the flat path's still the rank's
@@ -23,6 +24,7 @@ BASE = [*MODEL, "train.batch_size=8", "parallel.microbatches=2", "train.steps=3"
         "optim.lr=1e-2", "optim.warmup_steps=1", "optim.grad_clip=0.5"]
 STEPS = 3
 TOL = 1e-6
+LATER_TOL = 1e-5  # steps 2 and 3: after AdamW updates (measured 1.4e-6 at PP2 x DP2)
 
 
 def engine_run(world_size: int, reduction: str, *overrides: str,
@@ -66,8 +68,10 @@ def assert_equal_runs(results: list[dict], dp_ranks: list[list[int]]) -> None:
         ddp, flat = result["ddp"], result["flat"]
         assert ddp["reduction"] == "ddp" and flat["reduction"] == "flat"
         for key in ("losses", "norms"):
+            torch.testing.assert_close(torch.tensor(ddp[key][0]), torch.tensor(flat[key][0]),
+                                       rtol=TOL, atol=0, msg=f"rank {rank} step 1 {key}")
             torch.testing.assert_close(torch.tensor(ddp[key]), torch.tensor(flat[key]),
-                                       rtol=TOL, atol=0, msg=f"rank {rank} {key}")
+                                       rtol=LATER_TOL, atol=0, msg=f"rank {rank} {key}")
         for name, value in flat["params"].items():
             torch.testing.assert_close(ddp["params"][name], value, rtol=TOL, atol=TOL,
                                        msg=f"rank {rank} {name}")

@@ -306,6 +306,10 @@ def test_cli_run_carries_env_tags_and_prints_no_mlflow_info(tiny_data, tmp_path)
     client = MlflowClient(default_tracking_uri(run_dir))
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert tags.items() <= run.data.tags.items()
+    # MFU keeps its key; the peak it divides by is a param, named for what it is.
+    assert run.data.params["mfu_peak_source"].startswith("measured: fp32 matmul on cpu")
+    assert float(run.data.params["mfu_peak_flops"]) > 0
+    assert {"mfu", "mfu_peak_flops"} <= run.data.metrics.keys()
 
 
 @contextlib.contextmanager

@@ -28,11 +28,9 @@ from parallel import groups
 from parallel.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import (
-    Combine,
+    BufferedDWA,
     DecodeDWAState,
-    DWABuffers,
     PrefillDWAState,
-    StoreOutput,
     depth_weighted_average,
 )
 from pretrain.model.dwa_pattern import DWAPattern
@@ -118,12 +116,13 @@ class DenseFormer(nn.Module):
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing.run_blocks(self, x0, functional)
         pattern = self.dwa_pattern
-        buffers = None if functional or not pattern.slot else DWABuffers(pattern.class_sizes, x0)
+        buffered = None if functional or not pattern.slot else BufferedDWA(
+            pattern.layout, self.dwa_alpha, x0)
         kept = {}  # j -> X_j, for the X_j that a later DWA reads
 
         def keep(j: int, x: torch.Tensor) -> torch.Tensor:
             if j in pattern.slot:
-                x = x if buffers is None else StoreOutput.apply(x, buffers, *pattern.slot[j])
+                x = x if buffered is None else buffered.store(j, x)
                 kept[j] = x
             return x
 
@@ -133,11 +132,11 @@ class DenseFormer(nn.Module):
             js = pattern.inputs.get(i)
             if js is None:
                 y = x
-            elif buffers is None:
-                y = depth_weighted_average(self.dwa_alpha[i - 1, js], [kept[j] for j in js])
+            elif buffered is None:
+                y = depth_weighted_average(self.dwa_alpha[pattern.layout.weights_index[i]],
+                                           [kept[j] for j in js])
             else:
-                y = Combine.apply(self.dwa_alpha[i - 1, js], buffers, *pattern.reads[i],
-                                  *[kept[j] for j in js])
+                y = buffered.combine(i, [kept[j] for j in js])
         return y
 
     @property

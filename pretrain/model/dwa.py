@@ -1,29 +1,38 @@
 """Depth weighted averages (DWA): the contraction Y_i = sum_{j in S_i} alpha[i, j] X_j.
 
 Which blocks have a DWA, the S_i they read and the buffer layout below come from the model's
-`DWAPattern` (pretrain/model/dwa_pattern.py, index conventions there); this file only
-computes. Two implementations of the same contraction, tested against each other and a
-naive loop:
+`DWAPattern` (pretrain/model/dwa_pattern.py, index conventions there) and its `BufferLayout`
+(pretrain/model/dwa_layout.py); this file only computes. Two implementations of the same
+contraction, tested against each other and a naive loop:
 
-- eager (`DWABuffers`, `StoreOutput`, `Combine`): each X_j that a later DWA reads is copied
-  once into a contiguous buffer of its residue class (`DWAPattern.slot`), so S_i is a slice
-  (`DWAPattern.reads`) and a DWA is one matrix-vector product. Gradients w.r.t. the X_j are
-  accumulated with one rank-1 update per DWA into a matching gradient buffer and handed to
-  block j's output when autograd reaches it. Autograd never saves (or version-checks) the
-  buffers, so writing later slots is safe; the buffers belong to one forward pass, so
-  micro-batches and activation recomputation (which rewrites identical values) do not
-  interfere.
+- buffered (`BufferedDWA`, over `StoreOutput` and `Combine`): each X_j that a later DWA reads
+  is copied once into a contiguous buffer of its residue class, so S_i is a slice and a DWA
+  is one matrix-vector product. In backward a DWA only files its output gradient dY_i in a
+  per-class gradient buffer; when autograd reaches X_j, its whole DWA gradient
+  sum_i alpha[i, j] dY_i and the alpha gradients <dY_i, X_j> on column j come from one pass
+  over the rows of the DWAs that read it (`stored_output_grads`). So backward reads each
+  (i, j) pair once, as forward does (docs/design.md#bytes-moved-by-the-dwas). Autograd never
+  saves (or version-checks) the buffers, so writing later slots is safe; the buffers belong
+  to one forward pass, so micro-batches and activation recomputation (which rewrites
+  identical values) do not interfere.
 - functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
   the compiler fuses the stack into the reduction.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
 
+from pretrain.model.dwa_layout import BufferLayout
 from pretrain.model.dwa_pattern import DWAPattern
+
+# The fused backward pass reads the gradient rows in chunks of columns of at most this many
+# bytes, so a chunk is still in cache (a quarter of a 32 MiB L3) when the second product
+# reads it; rows that fit stay one chunk (each chunk costs two more small ops).
+_CHUNK_BYTES = 4 << 20
 
 
 def _stream_precision(x: torch.Tensor):
@@ -32,60 +41,191 @@ def _stream_precision(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-class DWABuffers:
-    """One forward pass's stored X_j (per class, contiguous) and, in backward, their grads."""
+class _BufferPool:
+    """Buffers of finished forward passes, handed to the next one. On a CPU a fresh buffer
+    of many MiB comes from the OS page by page (a page fault per 4 KiB on first write: the
+    copies into a new buffer ran at a quarter of memory bandwidth); CUDA's caching
+    allocator reuses memory already, so only CPU buffers are pooled."""
 
-    def __init__(self, class_sizes: Mapping[int, int], like: torch.Tensor):
-        self.values = {r: like.new_empty((n, *like.shape)) for r, n in class_sizes.items()}
-        self.grads: dict[int, torch.Tensor] = {}
+    def __init__(self, per_shape: int = 8):
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.per_shape = per_shape
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        free = self.free.get((shape, like.dtype, like.device))
+        return free.pop() if free else like.new_empty(shape)
+
+    def give_back(self, *groups: dict[int, torch.Tensor]) -> None:
+        for tensor in (t for group in groups for t in group.values()):
+            if tensor.device.type == "cpu":
+                free = self.free.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device),
+                                            [])
+                if len(free) < self.per_shape:
+                    free.append(tensor)
+
+
+_POOL = _BufferPool()
+
+
+class DWABuffers:
+    """One forward pass's stored X_j (per class, contiguous) and, in backward, the DWAs'
+    output gradients (per class, one row per DWA)."""
+
+    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor):
+        self.layout = layout
+        # alpha as this forward pass applies it (one small copy, in the stream's dtype).
+        self.alpha = alpha.detach().to(like.dtype, copy=True)
+        self.values = {r: _POOL.take((n, *like.shape), like)
+                       for r, n in layout.class_sizes.items()}
+        self.output_grads: dict[int, torch.Tensor] = {}
+        # Back to the pool once autograd has freed the graph that holds this object.
+        weakref.finalize(self, _POOL.give_back, self.values, self.output_grads)
+        self.unfilled: dict[int, set[int]] = {}  # rows whose DWA has had no gradient (yet)
+        self.copy_grads: dict[int, torch.Tensor] = {}  # j -> gradient of ReadStored copies
+
+    def file_output_grad(self, c: int, grad: torch.Tensor) -> None:
+        """Keep consumer c's output gradient for the X_j it read."""
+        r, row = self.layout.row[c]
+        if r not in self.output_grads:
+            rows = self.layout.class_rows[r]
+            self.output_grads[r] = _POOL.take((rows, self.values[r][0].numel()), self.values[r])
+            self.unfilled[r] = set(range(rows))
+        self.output_grads[r][row].copy_(grad.reshape(-1))
+        self.unfilled[r].discard(row)
+
+    def reader_grads(self, j: int) -> torch.Tensor | None:
+        """(readers of X_j, numel): their output gradients, zero for a reader that got none;
+        None when no DWA of the class got one."""
+        r, start, stop = self.layout.readers[j]
+        grads = self.output_grads.get(r)
+        if grads is None:
+            return None
+        for row in sorted(self.unfilled[r] & set(range(start, stop))):
+            grads[row].zero_()  # its output did not reach the loss
+            self.unfilled[r].discard(row)
+        return grads[start:stop]
+
+
+def stored_output_grads(rows: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
+                        grad: torch.Tensor | None, chunk: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad + rows^T weights, rows x) for rows (m, n), weights (m,), x and grad (n,): X_j's
+    gradient and the gradients of its m alphas, reading `rows` from memory once (chunks of
+    columns small enough to stay in cache between the two products; `chunk`: columns per
+    chunk, for tests)."""
+    m, n = rows.shape
+    out = torch.empty_like(x)
+    grad_weights = torch.zeros(m, dtype=rows.dtype, device=rows.device)
+    step = chunk or max(1024, _CHUNK_BYTES // (m * rows.element_size()))
+    for start in range(0, n, step):
+        part, cols = rows[:, start:start + step], slice(start, start + step)
+        if grad is None:
+            torch.mv(part.t(), weights, out=out[cols])
+        else:
+            torch.addmv(grad[cols], part.t(), weights, out=out[cols])
+        grad_weights.addmv_(part, x[cols])
+    return out, grad_weights
 
 
 class StoreOutput(torch.autograd.Function):
-    """Identity on X_j that also copies it into its buffer slot; in backward it adds the
-    gradient the DWAs accumulated for X_j (they all ran before: they consume this output)."""
+    """Identity on X_j that also copies it into its buffer slot. In backward (after every DWA
+    that reads X_j: they consume this output) it adds sum_i alpha[i, j] dY_i to X_j's
+    gradient and returns the gradients of those alphas."""
 
     @staticmethod
-    def forward(ctx, x, buffers: DWABuffers, r: int, position: int):
+    def forward(ctx, x, alpha, buffers: DWABuffers, j: int):
+        r, position = buffers.layout.slot[j]
         buffers.values[r][position].copy_(x)
-        ctx.buffers, ctx.r, ctx.position = buffers, r, position
+        ctx.set_materialize_grads(False)
+        ctx.buffers, ctx.j, ctx.alpha_meta = buffers, j, (alpha.shape, alpha.dtype)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        accumulated = ctx.buffers.grads.get(ctx.r)
-        if accumulated is not None:
-            grad = grad + accumulated[ctx.position]
-        return grad, None, None, None
+        buffers, j = ctx.buffers, ctx.j
+        copies = buffers.copy_grads.pop(j, None)
+        if copies is not None:
+            grad = copies if grad is None else grad + copies
+        rows = buffers.reader_grads(j)
+        if rows is None:
+            return grad, None, None, None
+        r, position = buffers.layout.slot[j]
+        x = buffers.values[r][position]
+        flat = None if grad is None else grad.reshape(-1).to(rows.dtype)
+        weights = buffers.alpha[buffers.layout.column_index[j]].contiguous()  # as in Combine
+        grad_x, grad_weights = stored_output_grads(rows, weights, x.reshape(-1), flat)
+        shape, dtype = ctx.alpha_meta
+        grad_alpha = grad_weights.new_zeros(shape, dtype=dtype)
+        grad_alpha[buffers.layout.column_index[j]] = grad_weights
+        return grad_x.view(x.shape).to(x.dtype), grad_alpha, None, None
 
 
 class Combine(torch.autograd.Function):
-    """y = sum_n w[n] * values[r][start + n]: one matrix-vector product over the buffer.
+    """Y_c = sum_n alpha[c, j_n] values[r][start + n]: one matrix-vector product over the
+    slice of the buffer consumer c reads; in backward it only files dY_c (StoreOutput turns
+    it into the gradients of the X_j and of the alphas).
 
-    `stored` are the StoreOutput results for S_i: passed only so that autograd runs this
+    `stored` are the StoreOutput results for S_c: passed only so that autograd runs this
     backward before theirs; their gradient goes through the gradient buffer instead."""
 
     @staticmethod
-    def forward(ctx, weights, buffers: DWABuffers, r: int, start: int, stop: int, *stored):
+    def forward(ctx, alpha, buffers: DWABuffers, c: int, *stored):
+        r, start, stop = buffers.layout.reads[c]
         values = buffers.values[r][start:stop]
-        ctx.save_for_backward(weights)
-        ctx.buffers, ctx.r, ctx.start, ctx.stop = buffers, r, start, stop
-        w = weights.to(values.dtype)
+        ctx.buffers, ctx.c, ctx.n_stored = buffers, c, len(stored)
+        ctx.set_materialize_grads(False)
+        # A contiguous copy of the strided view (|S_c| floats): gemv is a quarter faster.
+        weights = buffers.alpha[buffers.layout.weights_index[c]].contiguous()
         with _stream_precision(values):
-            return torch.mv(values.reshape(stop - start, -1).t(), w).view(values.shape[1:])
+            return torch.mv(values.reshape(stop - start, -1).t(), weights).view(values.shape[1:])
 
     @staticmethod
     def backward(ctx, grad_y):
-        (weights,) = ctx.saved_tensors
-        buffers, r, start, stop = ctx.buffers, ctx.r, ctx.start, ctx.stop
-        values = buffers.values[r]
-        flat_grad = grad_y.reshape(-1).to(values.dtype)
-        grad_weights = torch.mv(values[start:stop].reshape(stop - start, -1), flat_grad)
-        if r not in buffers.grads:
-            buffers.grads[r] = torch.zeros_like(values)
-        buffers.grads[r][start:stop].view(stop - start, -1).addr_(
-            weights.to(values.dtype), flat_grad)
-        return (grad_weights.to(weights.dtype), None, None, None, None) + \
-            (None,) * (stop - start)
+        if grad_y is not None:
+            ctx.buffers.file_output_grad(ctx.c, grad_y)
+        return (None, None, None) + (None,) * ctx.n_stored
+
+
+class ReadStored(torch.autograd.Function):
+    """A fresh copy of the buffered X_j (activation checkpointing reads a unit's input back);
+    its gradient joins X_j's in StoreOutput. `handle` orders autograd as in Combine."""
+
+    @staticmethod
+    def forward(ctx, buffers: DWABuffers, j: int, handle):
+        r, position = buffers.layout.slot[j]
+        ctx.buffers, ctx.j = buffers, j
+        ctx.set_materialize_grads(False)
+        return buffers.values[r][position].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            copies = ctx.buffers.copy_grads
+            copies[ctx.j] = grad if ctx.j not in copies else copies[ctx.j] + grad
+        return None, None, None
+
+
+class BufferedDWA:
+    """The buffered DWAs of one forward pass: `store` each X_j as it is made (a consumer
+    reads it from the buffer), `combine` each consumer when its inputs are all stored."""
+
+    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor):
+        self.layout, self.alpha = layout, alpha
+        self.buffers = DWABuffers(layout, alpha, like)
+
+    def store(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """X_j, through StoreOutput if some consumer reads it."""
+        if j not in self.layout.slot:
+            return x
+        return StoreOutput.apply(x, self.alpha, self.buffers, j)
+
+    def combine(self, c: int, stored: list[torch.Tensor]) -> torch.Tensor:
+        """Consumer c's sum over its X_j (`stored`: their `store` results, or handles)."""
+        return Combine.apply(self.alpha, self.buffers, c, *stored)
+
+    def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
+        """A copy of the stored X_j (`handle`: its `store` result, or a stand-in)."""
+        return ReadStored.apply(self.buffers, j, handle)
 
 
 class DepthWeightedAverage(torch.autograd.Function):

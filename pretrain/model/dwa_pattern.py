@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from pretrain.model.dwa_layout import BufferLayout, buffer_layout
+
 
 @dataclass(frozen=True)
 class DWAPattern:
@@ -35,7 +37,8 @@ class DWAPattern:
     - `slot[j] = (r, n)`: X_j is the n-th stored output of residue class r = j mod k, and
       `class_sizes[r]` the number of stored outputs of class r (the buffer layout);
     - `reads[i] = (r, start, stop)`: S_i is positions [start, stop) of class r = i mod k
-      (S_i is a contiguous run of its class, so a DWA reads one slice).
+      (S_i is a contiguous run of its class, so a DWA reads one slice);
+    - `layout`: those tables and the backward's (`BufferLayout`), the buffered DWA's plan.
     """
 
     n_layers: int  # d
@@ -49,6 +52,7 @@ class DWAPattern:
     slot: Mapping[int, tuple[int, int]] = field(init=False, repr=False, compare=False)
     class_sizes: Mapping[int, int] = field(init=False, repr=False, compare=False)
     reads: Mapping[int, tuple[int, int, int]] = field(init=False, repr=False, compare=False)
+    layout: BufferLayout = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         d, k, p = self.n_layers, self.dilation, self.period
@@ -57,26 +61,15 @@ class DWAPattern:
             low = 0 if self.window is None else i - self.window + 1
             inputs[i] = tuple(j for j in range(i % k, i + 1, k) if j >= low)
         last_reader = {j: i for i, js in inputs.items() for j in js}  # i increases
-        stored = tuple(sorted(last_reader))
-        slot: dict[int, tuple[int, int]] = {}
-        sizes: dict[int, int] = {}
-        for j in stored:
-            r = j % k
-            slot[j] = (r, sizes.get(r, 0))
-            sizes[r] = sizes.get(r, 0) + 1
-        reads = {}
-        for i, js in inputs.items():
-            r, start = slot[js[0]]
-            if [slot[j] for j in js] != [(r, start + n) for n in range(len(js))]:
-                raise AssertionError(f"S_{i} = {js} is not one slice of class {r}")
-            reads[i] = (r, start, start + len(js))
+        layout = buffer_layout(inputs, k)
         set_ = functools.partial(object.__setattr__, self)  # frozen: set the tables once
         set_("inputs", MappingProxyType(inputs))
-        set_("stored", stored)
+        set_("stored", tuple(sorted(last_reader)))
         set_("last_reader", MappingProxyType(last_reader))
-        set_("slot", MappingProxyType(slot))
-        set_("class_sizes", MappingProxyType(sizes))
-        set_("reads", MappingProxyType(reads))
+        set_("layout", layout)
+        set_("slot", layout.slot)
+        set_("class_sizes", layout.class_sizes)
+        set_("reads", layout.reads)
 
     # -- the alpha matrix ----------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""benchmarks/bench_model.py: its reference DWA computes our DWA's function, and it runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import ROOT, cli_env
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_model import Scale, config, parse_args  # noqa: E402
+from nanogpt_anchor import AnchorGPT, ReferenceDWA  # noqa: E402
+
+from pretrain.model import DenseFormer  # noqa: E402
+
+
+@pytest.mark.parametrize("pattern", ["1x1", "4x5"])
+def test_reference_dwa_equals_ours(pattern):
+    args = parse_args(["--layers", "10", "--width", "8", "--heads", "1", "--seq", "4",
+                       "--vocab", "16"])
+    ours = DenseFormer(config(args, pattern))
+    reference = ReferenceDWA(10, *map(int, pattern.split("x")))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i, js in ours.dwa_pattern.inputs.items():
+            values = torch.randn(len(js), generator=gen)
+            ours.dwa_alpha[i - 1, list(js)] = values
+            reference.alphas[reference.index[i]].copy_(values)
+    anchor = AnchorGPT(1, 8, 1, 1, 8, reference)
+    ours.blocks = anchor.blocks = nn.ModuleList(Scale() for _ in range(10))
+    x0 = torch.randn(2, 4, 8, generator=gen)
+    y_ours, y_ref = ours.run_blocks(x0), anchor.run_blocks(x0)
+    torch.testing.assert_close(y_ref, y_ours)
+    g_ours = torch.autograd.grad(y_ours.square().sum(), ours.dwa_alpha)[0]
+    g_ref = torch.autograd.grad(y_ref.square().sum(), list(reference.alphas))
+    for i, js in ours.dwa_pattern.inputs.items():
+        torch.testing.assert_close(g_ref[reference.index[i]], g_ours[i - 1, list(js)])
+
+
+def test_benchmark_runs_every_configuration():
+    cmd = [sys.executable, str(ROOT / "benchmarks/bench_model.py"), "--layers", "5",
+           "--width", "16", "--heads", "2", "--seq", "8", "--batch", "1", "--vocab", "32",
+           "--rounds", "1", "--llama"]
+    done = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=cli_env(),
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert results["variants"]["transformer"]["ratio_vs_transformer"] == 1.0
+    assert {"anchor", "dense-4x1", "reference-4x5", "llama-4x5"} <= results["variants"].keys()
+    assert results["variants"]["llama-transformer"]["ratio_vs_llama_transformer"] == 1.0
+    assert results["dwa_alone"]["ours-1x1"]["floor_mib"] > 0
+
+
+def test_a_bad_official_checkout_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--official", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--official" in err and "DWAModules" in err
