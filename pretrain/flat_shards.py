@@ -62,69 +62,79 @@ def flat_range_blocks(shape: Sequence[int], start: int, numel: int) -> list[Bloc
     return blocks
 
 
-class FlatShard:
-    """Elements [start, start + numel) of this rank's part of a global tensor, as DCP chunks.
+class Blocks:
+    """Boxes of a global tensor with their values, as DCP chunks (DCP's checkpointable
+    protocol): `blocks` maps each box's offsets to a tensor of the box's sizes."""
 
-    `data`: the range's values, 1-D (a view of the optimizer's flat partition, or a buffer
-    to load into); `local_shape`: the shape of the tensor the range is flat in (this rank's
-    tensor-parallel shard); `shard_offset`: that shard's offset in the global tensor of
-    `global_size`."""
-
-    def __init__(self, data: torch.Tensor, start: int, local_shape: Sequence[int],
-                 global_size: Sequence[int], shard_offset: Sequence[int] | None = None):
-        if data.dim() != 1:
-            raise ValueError(f"FlatShard data must be 1-D, got shape {tuple(data.shape)}")
-        self.data, self.start = data, start
-        self.local_shape, self.global_size = tuple(local_shape), torch.Size(global_size)
-        self.shard_offset = tuple(shard_offset) if shard_offset is not None \
-            else (0,) * len(global_size)
-        self.blocks: list[Block] = []
-        self._views: dict[torch.Size, torch.Tensor] = {}
-        position = 0
-        for offsets, sizes in flat_range_blocks(self.local_shape, start, data.numel()):
-            offsets = torch.Size(o + s for o, s in zip(offsets, self.shard_offset,
-                                                       strict=True))
-            count = math.prod(sizes)
-            self._views[offsets] = data[position: position + count].view(sizes)
-            self.blocks.append((tuple(offsets), tuple(sizes)))
-            position += count
+    def __init__(self, blocks: dict[tuple[int, ...], torch.Tensor], global_size: Sequence[int]):
+        self.blocks = {torch.Size(offsets): value for offsets, value in blocks.items()}
+        self.global_size = torch.Size(global_size)
 
     def size(self) -> torch.Size:
         """The global tensor's size (DCP checks it against the checkpoint's)."""
         return self.global_size
 
-    def with_data(self, data: torch.Tensor) -> FlatShard:
-        """The same range over other values (a staged copy)."""
-        return FlatShard(data, self.start, self.local_shape, self.global_size,
-                         self.shard_offset)
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.blocks.values())
+
+    def copy_to(self, device: str | torch.device = "cpu", pin_memory: bool = False) -> Blocks:
+        """The same boxes over copies of the values, each in its own storage (so DCP's
+        writer does not copy them again)."""
+        copies = {}
+        for offsets, value in self.blocks.items():
+            copy = torch.empty(value.shape, dtype=value.dtype, device=device,
+                               pin_memory=pin_memory)
+            copies[offsets] = copy.copy_(value.detach(), non_blocking=pin_memory)
+        return Blocks(copies, self.global_size)
 
     # -- DCP's checkpointable protocol ---------------------------------------------------
 
     def __create_write_items__(self, fqn: str, _object) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(self.data)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)),
-                          type=WriteItemType.SHARD,
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                         sizes=torch.Size(sizes)),
-                              properties=properties, size=self.global_size))
-                for offsets, sizes in self.blocks]
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=value.shape),
+                              properties=TensorProperties.create_from_tensor(value),
+                              size=self.global_size))
+                for offsets, value in self.blocks.items()]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                for o, s in self.blocks]
+        return [ChunkStorageMetadata(offsets=offsets, sizes=value.shape)
+                for offsets, value in self.blocks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self._views[torch.Size(index.offset)]
+        return self.blocks[torch.Size(index.offset)]
+
+
+class FlatShard(Blocks):
+    """Elements [start, start + data.numel()) of this rank's part of a global tensor.
+
+    `data`: the range's values, 1-D (a view of the optimizer's flat partition, or a buffer
+    to load into); `local_shape`: the shape of the tensor the range is flat in (this rank's
+    tensor-parallel shard); `shard_offset`: that shard's offset in the global tensor of
+    `global_size`. The blocks are views of `data`."""
+
+    def __init__(self, data: torch.Tensor, start: int, local_shape: Sequence[int],
+                 global_size: Sequence[int], shard_offset: Sequence[int] | None = None):
+        if data.dim() != 1:
+            raise ValueError(f"FlatShard data must be 1-D, got shape {tuple(data.shape)}")
+        shift = tuple(shard_offset) if shard_offset is not None else (0,) * len(global_size)
+        blocks, position = {}, 0
+        for offsets, sizes in flat_range_blocks(local_shape, start, data.numel()):
+            count = math.prod(sizes)
+            shifted = tuple(o + s for o, s in zip(offsets, shift, strict=True))
+            blocks[shifted] = data[position: position + count].view(sizes)
+            position += count
+        super().__init__(blocks, global_size)
+        self.data = data
 
 
 def _lookup(state_dict: dict, index: MetadataIndex):
     value = state_dict.get(index.fqn)
-    return value.__get_tensor_shard__(index) if isinstance(value, FlatShard) else None
+    return value.__get_tensor_shard__(index) if isinstance(value, Blocks) else None
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; blocks of FlatShards are found by their offsets."""
+    """DCP's default save planner; Blocks are found by their offsets."""
 
     def lookup_object(self, index: MetadataIndex):
         block = _lookup(self.state_dict, index)
@@ -132,12 +142,12 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner; blocks of FlatShards are found by their offsets. Its
+    """DCP's default load planner; Blocks are found by their offsets. Its
     set-up rewrites the state dict in place, turning objects it does not know into None,
-    so FlatShards (top-level entries) skip it."""
+    so Blocks (top-level entries) skip it."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        shards = {k: v for k, v in state_dict.items() if isinstance(v, FlatShard)}
+        shards = {k: v for k, v in state_dict.items() if isinstance(v, Blocks)}
         super().set_up_planner({k: v for k, v in state_dict.items() if k not in shards},
                                metadata, is_coordinator)
         self.state_dict.update(shards)

@@ -32,8 +32,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pretrain.checkpoint import CheckpointError, load_checkpoint, read_manifest, sha256_file
-from pretrain.flat_shards import LoadPlanner, SavePlanner
+from pretrain.checkpoint import (
+    CheckpointError,
+    hash_share,
+    load_checkpoint,
+    read_manifest,
+    sha256_file,
+)
+from pretrain.flat_shards import Blocks, FlatShard, LoadPlanner, SavePlanner
 
 TENSOR_DIR = "tensors"  # the DCP directory inside a checkpoint
 METADATA_FILE = ".metadata"  # DCP's index: a pickle, checked against our manifest first
@@ -106,6 +112,61 @@ def save(directory: Path, state: dict, rank: int) -> dict[str, dict]:
     with _one_process_is_intended():
         dcp.save(state, storage_writer=writer(directory), planner=SavePlanner())
     return written_files(directory, rank)
+
+
+def save_async(directory: Path, staged: dict, group):
+    """Start writing `staged` (a `host_copy`) into directory/tensors in a background thread,
+    DCP's collectives on `group` (collective: every rank calls it); DCP's future."""
+    return dcp.async_save(staged, storage_writer=writer(directory), planner=SavePlanner(),
+                          process_group=group, async_stager=_AlreadyStaged())
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict `host_copy` made: nothing left to copy
+    (DCP's default stager would copy again, and does not know Blocks)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def host_copy(state: dict, dp_rank: int, dp_size: int) -> dict:
+    """What this rank writes of `state` (a `local_state` or a ZeRO one), copied to host
+    memory (pinned when on CUDA) so that training can go on changing the originals.
+
+    ZeRO ranges are this rank's alone. A tensor every data-parallel replica holds is copied
+    by one of them only: the replicas split such tensors by bytes, greedily and identically
+    on every rank, so each copies about 1/DP of them (DCP would pick one writer for each
+    anyway, but only after planning in the background)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    boxes = {}
+    for key, value in state.items():
+        if isinstance(value, Blocks):
+            boxes[key] = value
+        elif isinstance(value, DTensor):
+            _, offsets = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements)
+            boxes[key] = Blocks({tuple(offsets): value.to_local()}, value.shape)
+        else:
+            boxes[key] = Blocks({(0,) * value.dim(): value}, value.shape)
+    replicated = {key: {"bytes": value.nbytes()} for key, value in boxes.items()
+                  if not isinstance(value, FlatShard)}
+    mine = set(hash_share(replicated, dp_rank, dp_size))
+    cuda = any(v.is_cuda for b in boxes.values() for v in b.blocks.values())
+    staged = {key: value.copy_to("cpu", pin_memory=cuda) for key, value in boxes.items()
+              if key not in replicated or key in mine}
+    if cuda:
+        torch.cuda.synchronize()  # the pinned copies were issued non-blocking
+    return staged
 
 
 def written_files(directory: Path, rank: int) -> dict[str, dict]:

@@ -87,13 +87,16 @@ def local_state(zero) -> dict:
     step = update_count(optimizer)
     state = {}
     for name, param in model.named_parameters():
+        if not _writes(param, tp_rank):
+            continue
+        if step is not None:  # on every DP rank, like any replicated tensor
+            state[optim_key(name, "step")] = step
         owned = owned_range(optimizer, param)
-        if owned is None or not _writes(param, tp_rank):
+        if owned is None:
             continue
         placement = _placement(param, tp_rank, tp_size)
         state[model_key(name)] = _shard(owned.master, owned, placement)
         if step is not None:
-            state[optim_key(name, "step")] = step
             for key in ADAM_MOMENTS:
                 state[optim_key(name, key)] = _shard(owned.state(optimizer, key), owned,
                                                      placement)
