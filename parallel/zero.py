@@ -9,10 +9,12 @@ Ours stays the single source of truth: the AdamW parameter groups (`pretrain.opt
 DeepSpeed wraps the client optimizer we build), the learning rate (the trainer writes it into
 the param groups every step; DeepSpeed gets no scheduler), gradient clipping (`optim.grad_clip`
 becomes DeepSpeed's `gradient_clipping`, whose default would be 1.0), and the checkpoint
-format (full tensors keyed by parameter name, `pretrain.model.state`): `full_model_state`,
-`full_optimizer_state` and `load_full_state` convert, so a ZeRO-2 run at DP=2 resumes at DP=1
-without ZeRO and back. The DeepSpeed config is built here (`deepspeed_config`), never written
-by hand.
+format: each rank saves and loads its own partition under the layout-free keys of every
+other engine (pretrain/zero_checkpoint.py, reading DeepSpeed's internals through
+parallel/deepspeed_compat.py), so a ZeRO-2 run at DP=2 resumes at DP=1 without ZeRO and
+back. `full_model_state`, `full_optimizer_state` and `load_full_state` move whole tensors
+(gathered over DP and TP) for comparisons with a single-process run. The DeepSpeed config
+is built here (`deepspeed_config`), never written by hand.
 
 Stages: 1 (optimizer state sharded over the DP group), 2 (+ gradients), 3 (+ parameters).
 With TP or PP only stage 1 (config validation refuses 2 and 3, as GPT-NeoX does).
@@ -259,12 +261,13 @@ class ZeroEngine:
         `pretrain.model.state.full_optimizer_state`; empty before the first update."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        from parallel.deepspeed_compat import relink_optimizer_state, update_count
         from pretrain.model.state import _gather_full
 
-        step = self._update_count()
+        step = update_count(self.engine.optimizer)
         if step is None:
             return {}
-        self._link_optimizer_state()
+        relink_optimizer_state(self.engine.optimizer)
         tp_group = self.mpu.get_tensor_model_parallel_group()
         state = {}
         for name, param in self.model.named_parameters():
@@ -278,7 +281,9 @@ class ZeroEngine:
         """Set parameters (model copy and fp32 master) and AdamW state from full tensors."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        from parallel.deepspeed_compat import create_optimizer_state
         from pretrain.model.init import local_shard
+
         model = self.model
         params = dict(model.named_parameters())
         missing = sorted(params.keys() - model_state.keys())
@@ -296,7 +301,7 @@ class ZeroEngine:
         steps = {float(s["step"]) for s in optimizer_state.values()}
         if len(steps) != 1:
             raise ValueError(f"optimizer state has different step counts {sorted(steps)}")
-        self._create_optimizer_state(steps.pop())
+        create_optimizer_state(self.engine.optimizer, steps.pop())
         for name, param in params.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 shard = local_shard(optimizer_state[name][key], param, model.tp_rank,
@@ -324,44 +329,10 @@ class ZeroEngine:
         return GatheredParameters([param], modifier_rank=0)
 
     def _flat_partitions(self) -> list[torch.Tensor]:
-        """DeepSpeed's flat fp32 master partitions, one per group: the tensors the inner
-        AdamW updates (ZeRO-3 puts them into its param groups only while stepping)."""
-        optimizer = self.engine.optimizer
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                     "fp32_groups_flat_partition"):
-            flats = getattr(optimizer, attr, None)
-            if flats is not None:
-                return list(flats)
-        raise TypeError(f"unknown DeepSpeed optimizer {type(optimizer).__name__}")
+        """DeepSpeed's flat fp32 master partitions, one per group (parallel/deepspeed_compat)."""
+        from parallel.deepspeed_compat import flat_partitions
 
-    def _update_count(self) -> torch.Tensor | None:
-        """AdamW's step count (the same in every group), None before the first update."""
-        state = self.engine.optimizer.optimizer.state
-        for flat in self._flat_partitions():
-            if "step" in state.get(flat, {}):
-                return torch.as_tensor(state[flat]["step"]).detach().cpu().float()
-        return None
-
-    def _create_optimizer_state(self, step: float) -> None:
-        """AdamW state for DeepSpeed's flat partitions before any update (values set next)."""
-        state = self.engine.optimizer.optimizer.state
-        for flat in self._flat_partitions():
-            state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
-                           "exp_avg": torch.zeros_like(flat),
-                           "exp_avg_sq": torch.zeros_like(flat)}
-        self._link_optimizer_state()
-
-    def _link_optimizer_state(self) -> None:
-        """Point each parameter's ZeRO-1/2 fragment at the current AdamW state tensors.
-
-        DeepSpeed 0.19.8 links them once, right after the update of the first parameter
-        group, when the other groups have no state yet: with our two weight-decay groups the
-        no-decay group's state would stay unreachable to `safe_get_full_optimizer_state`.
-        tests/test_zero.py checks that this is still needed."""
-        optimizer = self.engine.optimizer
-        if hasattr(optimizer, "_hp_optimizer_states_linked"):
-            optimizer._hp_optimizer_states_linked = False
-            optimizer._lazy_init_hp_params_optimizer_state()
+        return flat_partitions(self.engine.optimizer)
 
 
 def build_ops() -> None:

@@ -114,28 +114,18 @@ class ZeroUpdate:
     def update(self) -> float:
         return self.zero.step()  # a non-finite norm: DeepSpeed skipped the update
 
-    # ZeRO keeps its full-tensor path: DeepSpeed gathers each parameter and AdamW moment
-    # over DP (and we over TP); every rank offers the full tensors of its own (stage's)
-    # parameters and DCP's planner picks one writer per tensor.
     def sharded_state(self) -> dict:
-        """Full tensors of this rank's parameters (collective: gathered over DP and TP)."""
-        from pretrain import sharded_checkpoint
+        """This rank's ZeRO partition: flat ranges of its parameters' master weights and
+        AdamW moments, as row-blocks of the global tensors (no gather)."""
+        from pretrain import zero_checkpoint
 
-        return sharded_checkpoint.full_state(self.zero.full_model_state(),
-                                             self.zero.full_optimizer_state())
+        return zero_checkpoint.local_state(self.zero)
 
     def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
                      fill: dict | None = None) -> None:
-        from pretrain import sharded_checkpoint
+        from pretrain import zero_checkpoint
 
-        names = [name for name, _ in self.zero.model.named_parameters()]
-        held = sharded_checkpoint.tensor_entries(sharded_checkpoint.read_metadata(path, manifest))
-        filled = {name: value for name, value in (fill or {}).items() if name in names
-                  and sharded_checkpoint.model_key(name) not in held}
-        model_state, optimizer_state = sharded_checkpoint.read_full(
-            path, manifest, [name for name in names if name not in filled],
-            optimizer=not weights_only, no_dist=not torch.distributed.is_initialized())
-        self.zero.load_full_state({**model_state, **filled}, optimizer_state)
+        zero_checkpoint.load_local(path, manifest, self.zero, weights_only, fill)
 
 
 class LocalForward:
@@ -209,7 +199,8 @@ class Engine:
 
     def sharded_state(self) -> dict[str, Any]:
         """This rank's tensors for `pretrain.sharded_checkpoint.save`: {global key: tensor,
-        or DTensor for a tensor-parallel shard}; with ZeRO, full tensors (collective)."""
+        DTensor for a tensor-parallel shard, FlatShard for a ZeRO partition}; views of the
+        live state, no collective."""
         return self.update_rule.sharded_state()
 
     def load_sharded_state(self, path: Path, manifest: dict) -> None:

@@ -11,6 +11,8 @@ Save (every rank calls `save_run`):
    broadcast, which is also the barrier, so every rank returns the path or raises SaveFailed
    with the first error at once.
 
+Asynchronous saves (`checkpoint.async`) run steps 2 and 3 in the background: `Checkpointer`.
+
 Resume (`load_run`): the choice of checkpoint and the hashing of its files are made by all
 ranks together before (pretrain/run_dir.py); here each rank reads its own slices.
 """
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import errno
 import shutil
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from pretrain import checkpoint, sharded_checkpoint
@@ -36,19 +41,31 @@ def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any], keep: int
     """Write the checkpoint of `step` (collective); its path on every rank, or SaveFailed."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    tmp_dir = Path(_agree(lambda: str(checkpoint.new_tmp_dir(ckpt_root, step)),
-                          ckpt_root, step, rank, world))
+    tmp_dir = _new_tmp_dir(ckpt_root, step, rank, world)
     written, error = {}, None
     try:
         written = sharded_checkpoint.save(tmp_dir, engine.sharded_state(), rank)
     except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
         error = save_error(err, ckpt_root, step)
+    return commit(tmp_dir, written, error, ckpt_root, step, meta, keep, protect, rank, world)
+
+
+def _new_tmp_dir(ckpt_root: Path, step: int, rank: int, world: int) -> Path:
+    return Path(_agree(lambda: str(checkpoint.new_tmp_dir(ckpt_root, step)),
+                       ckpt_root, step, rank, world))
+
+
+def commit(tmp_dir: Path, written: dict, error: str | None, ckpt_root: Path, step: int,
+           meta: dict[str, Any], keep: int, protect: Path | None, rank: int, world: int,
+           group=None) -> Path:
+    """Step 3 of the module doc, collective over `group` (None: the default one):
+    the final path on every rank, or SaveFailed with the first rank's error."""
     reports = [(written, error)]
     if world > 1:
         reports = [None] * world if rank == 0 else None
-        dist.gather_object((written, error), reports, dst=0)
+        dist.gather_object((written, error), reports, dst=0, group=group)
 
-    def commit() -> str:
+    def finish() -> str:
         try:
             errors = [e for _, e in reports if e is not None]
             if errors:
@@ -61,7 +78,113 @@ def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any], keep: int
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
 
-    return Path(_agree(commit, ckpt_root, step, rank, world))
+    return Path(_agree(finish, ckpt_root, step, rank, world, group))
+
+
+class Checkpointer:
+    """The saves of one run, synchronous or asynchronous (`checkpoint.async`).
+
+    Asynchronous: `save` agrees on the temporary directory, copies what this rank writes to
+    host memory (`sharded_checkpoint.host_copy`) and returns; DCP's `async_save` writes it
+    in a background thread, whose collectives run on a process group of their own (gloo,
+    created here, with parallel.timeout_s), so they never interleave with the training
+    loop's; a second background thread then hashes the file and commits as `commit` does,
+    on that group too (rank 0 writes the manifest, renames, prunes). The trainer calls
+    `poll` at every step boundary: one all-reduce of (not done, failed) while a save is in
+    flight, so every rank learns at the same step that it committed, or raises SaveFailed
+    with the first error. A new save, a stop and the end of training `wait` for the commit
+    first; the run-directory lock is released only after it (`close`)."""
+
+    def __init__(self, engine, ckpt_root: Path, layout, asynchronous: bool,
+                 timeout_s: float):
+        self.engine, self.ckpt_root, self.layout = engine, Path(ckpt_root), layout
+        self.asynchronous = asynchronous
+        self.group = None
+        if asynchronous and dist.is_initialized():
+            from datetime import timedelta
+
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.pending: tuple[int, Future] | None = None  # (step, future of the final path)
+        # The last save's host copy, reused by the next once that one has committed: one
+        # share of (pinned) host memory held for the run, as DCP's cache_staged_state_dict.
+        self.staged: dict | None = None
+        # Called with the path of each checkpoint once complete on disk (on every rank).
+        self.on_commit: Callable[[Path], None] = lambda path: None
+
+    def save(self, step: int, meta: dict[str, Any], keep: int, protect: Path | None) -> Path:
+        """Write the checkpoint of `step` after the previous one committed; its final path.
+        Synchronous: committed on return, or SaveFailed. Asynchronous: on its way; `poll`
+        or `wait` tell when it committed."""
+        self.wait()
+        rank, world = self.layout.rank, self.layout.world
+        if not self.asynchronous:
+            path = save_run(self.engine, self.ckpt_root, step, meta, keep, protect, rank, world)
+            self.on_commit(path)
+            return path
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        tmp_dir = _new_tmp_dir(self.ckpt_root, step, rank, world)
+        try:
+            self.staged = sharded_checkpoint.host_copy(self.engine.sharded_state(),
+                                                       self.layout.dp_rank, self.layout.dp,
+                                                       reuse=self.staged)
+            upload = sharded_checkpoint.save_async(tmp_dir, self.staged, self.group)
+        except (OSError, RuntimeError, CheckpointException) as err:
+            upload = Future()
+            upload.set_exception(err)
+
+        def finish() -> Path:  # in the background
+            written, error = {}, None
+            try:
+                upload.result()
+                written = sharded_checkpoint.written_files(tmp_dir, rank)
+            except (OSError, RuntimeError, CheckpointException) as err:
+                error = save_error(err, self.ckpt_root, step)
+            return commit(tmp_dir, written, error, self.ckpt_root, step, meta, keep, protect,
+                          rank, world, self.group)
+
+        committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self.pending = (step, committer.submit(finish))
+        committer.shutdown(wait=False)
+        return checkpoint.checkpoint_dir(self.ckpt_root, step)
+
+    def poll(self) -> Path | None:
+        """At a step boundary (collective while a save is in flight): the path of the
+        checkpoint that every rank has now seen commit (after `on_commit`), or None;
+        SaveFailed on every rank if its write failed on any."""
+        return self._settle(block=False)
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight commits (collective); as `poll`."""
+        return self._settle(block=True)
+
+    def _settle(self, block: bool) -> Path | None:
+        if self.pending is None:
+            return None
+        step, future = self.pending
+        if block:
+            futures.wait([future])
+        done = future.done()
+        failed = done and future.exception() is not None
+        flags = torch.tensor([0.0 if done else 1.0, 1.0 if failed else 0.0],
+                             device=self.layout.device)
+        if self.layout.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item():
+            return None
+        self.pending = None
+        if flags[1].item():
+            error = future.exception()
+            raise SaveFailed(str(error) if error is not None else
+                             f"the checkpoint of step {step} failed on another rank")
+        self.on_commit(future.result())
+        return future.result()
+
+    def close(self) -> None:
+        """Wait for a save in flight, without the other ranks (the run ends on an error)."""
+        if self.pending is not None:
+            futures.wait([self.pending[1]])
+            self.pending = None
 
 
 def load_run(engine, path: Path, check: Callable[[dict], None] = lambda meta: None
@@ -77,8 +200,10 @@ def load_run(engine, path: Path, check: Callable[[dict], None] = lambda meta: No
     return meta
 
 
-def _agree(fn: Callable[[], str], ckpt_root: Path, step: int, rank: int, world: int) -> str:
-    """`fn()` on rank 0; its result on every rank, or SaveFailed with its error on every rank."""
+def _agree(fn: Callable[[], str], ckpt_root: Path, step: int, rank: int, world: int,
+           group=None) -> str:
+    """`fn()` on rank 0; its result on every rank, or SaveFailed with its error on every rank
+    (collective over `group`, None: the default one)."""
     outcome = [None, None]  # [result, error message]
     if rank == 0:
         try:
@@ -88,7 +213,7 @@ def _agree(fn: Callable[[], str], ckpt_root: Path, step: int, rank: int, world: 
         except (OSError, RuntimeError) as err:  # torch.save reports I/O as RuntimeError
             outcome[1] = save_error(err, ckpt_root, step)
     if world > 1:
-        dist.broadcast_object_list(outcome, src=0)
+        dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[1] is not None:
         raise SaveFailed(outcome[1])
     return outcome[0]

@@ -32,7 +32,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pretrain.checkpoint import CheckpointError, load_checkpoint, read_manifest, sha256_file
+from pretrain.checkpoint import (
+    CheckpointError,
+    hash_share,
+    load_checkpoint,
+    read_manifest,
+    sha256_file,
+)
+from pretrain.flat_shards import Blocks, FlatShard, LoadPlanner, SavePlanner
 
 TENSOR_DIR = "tensors"  # the DCP directory inside a checkpoint
 METADATA_FILE = ".metadata"  # DCP's index: a pickle, checked against our manifest first
@@ -48,7 +55,7 @@ def optim_key(name: str, key: str) -> str:
     return f"{OPTIM_PREFIX}{name}.{key}"
 
 
-def _tp_mesh(model: nn.Module):
+def tp_mesh(model: nn.Module):
     """A 1-D device mesh over the model's tensor-parallel group (None without TP)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -71,7 +78,7 @@ def _global(param: torch.Tensor, tensor: torch.Tensor, mesh):
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's parameters and AdamW state under global keys, TP shards as DTensors."""
-    mesh = _tp_mesh(model)
+    mesh = tp_mesh(model)
     state = {}
     for name, param in model.named_parameters():
         state[model_key(name)] = _global(param, param, mesh)
@@ -90,17 +97,83 @@ def full_state(model_state: dict, optimizer_state: dict) -> dict:
     return state
 
 
+def writer(directory: Path):
+    """DCP's file writer for directory/tensors."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    # One thread: the file this rank writes is then exactly `__<rank>_0.distcp`.
+    return FileSystemWriter(Path(directory) / TENSOR_DIR, single_file_per_rank=True,
+                            sync_files=True, thread_count=1, overwrite=True)
+
+
 def save(directory: Path, state: dict, rank: int) -> dict[str, dict]:
     """Write `state` into directory/tensors with every rank (collective); {relative path:
     {"bytes", "sha256"}} of the files this rank wrote, for the manifest."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    target = Path(directory) / TENSOR_DIR
-    # One thread: the file this rank writes is then exactly `__<rank>_0.distcp`.
-    writer = FileSystemWriter(target, single_file_per_rank=True, sync_files=True,
-                              thread_count=1, overwrite=True)
     with _one_process_is_intended():
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer(directory), planner=SavePlanner())
+    return written_files(directory, rank)
+
+
+def save_async(directory: Path, staged: dict, group):
+    """Start writing `staged` (a `host_copy`) into directory/tensors in a background thread,
+    DCP's collectives on `group` (collective: every rank calls it); DCP's future."""
+    return dcp.async_save(staged, storage_writer=writer(directory), planner=SavePlanner(),
+                          process_group=group, async_stager=_AlreadyStaged())
+
+
+class _AlreadyStaged:
+    """DCP's AsyncStager protocol for a state dict `host_copy` made: nothing left to copy
+    (DCP's default stager would copy again, and does not know Blocks)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def host_copy(state: dict, dp_rank: int, dp_size: int, reuse: dict | None = None) -> dict:
+    """What this rank writes of `state` (a `local_state` or a ZeRO one), copied to host
+    memory (pinned when on CUDA) so that training can go on changing the originals; into
+    the tensors of `reuse` (an earlier host_copy whose write has ended) where they fit.
+
+    ZeRO ranges are this rank's alone. A tensor every data-parallel replica holds is copied
+    by one of them only: the replicas split such tensors by bytes, greedily and identically
+    on every rank, so each copies about 1/DP of them (DCP would pick one writer for each
+    anyway, but only after planning in the background)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    boxes = {}
+    for key, value in state.items():
+        if isinstance(value, Blocks):
+            boxes[key] = value
+        elif isinstance(value, DTensor):
+            _, offsets = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements)
+            boxes[key] = Blocks({tuple(offsets): value.to_local()}, value.shape)
+        else:
+            boxes[key] = Blocks({(0,) * value.dim(): value}, value.shape)
+    replicated = {key: {"bytes": value.nbytes()} for key, value in boxes.items()
+                  if not isinstance(value, FlatShard)}
+    mine = set(hash_share(replicated, dp_rank, dp_size))
+    cuda = any(v.is_cuda for b in boxes.values() for v in b.blocks.values())
+    reuse = reuse or {}
+    staged = {key: value.copy_to("cpu", pin_memory=cuda, into=reuse.get(key))
+              for key, value in boxes.items() if key not in replicated or key in mine}
+    if cuda:
+        torch.cuda.synchronize()  # the pinned copies were issued non-blocking
+    return staged
+
+
+def written_files(directory: Path, rank: int) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of the tensor files rank `rank` wrote."""
+    target = Path(directory) / TENSOR_DIR
     written = {}
     for path in sorted(target.glob(f"__{rank}_*.distcp")):
         rel = path.relative_to(directory).as_posix()
@@ -139,20 +212,20 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
             if isinstance(md, TensorStorageMetadata)}
 
 
-def _load(checkpoint: Path, target: dict, no_dist: bool) -> None:
+def load_tensors(checkpoint: Path, target: dict, no_dist: bool) -> None:
+    """Read `target`'s tensors (plain, DTensor or FlatShard: the slices they stand for)."""
     from torch.distributed.checkpoint import FileSystemReader
-
 
     reader = FileSystemReader(Path(checkpoint) / TENSOR_DIR)
     try:
         with _one_process_is_intended():
-            dcp.load(target, storage_reader=reader, no_dist=no_dist)
+            dcp.load(target, storage_reader=reader, planner=LoadPlanner(), no_dist=no_dist)
     except dcp.api.CheckpointException as err:  # a BaseException: make it ours
         raise CheckpointError(f"{Path(checkpoint) / TENSOR_DIR}: cannot be read ({err})") \
             from None
 
 
-def _empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key: str,
+def empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key: str,
                        checkpoint: Path):
     """A tensor to read this rank's part of `key` into, its global shape checked."""
     from pretrain.model.init import full_shape
@@ -165,6 +238,21 @@ def _empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key
     return _global(param, local, mesh)
 
 
+def optim_entries(entries: dict[str, TensorStorageMetadata], name: str
+                  ) -> dict[str, TensorStorageMetadata]:
+    """{AdamW key: metadata} the checkpoint holds for parameter `name`."""
+    prefix = optim_key(name, "")
+    return {key[len(prefix):]: md for key, md in entries.items()
+            if key.startswith(prefix) and "." not in key[len(prefix):]}
+
+
+def missing_fill(fill: Mapping[str, torch.Tensor] | None, params: Mapping,
+                 entries: Mapping) -> dict[str, torch.Tensor]:
+    """The `fill` values of this rank's parameters that the checkpoint lacks."""
+    return {name: value for name, value in (fill or {}).items()
+            if name in params and model_key(name) not in entries}
+
+
 def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
                optimizer: torch.optim.Optimizer | None,
                fill: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -175,10 +263,9 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
     from pretrain.model.init import local_shard
 
     entries = tensor_entries(read_metadata(checkpoint, manifest))
-    mesh = _tp_mesh(model)
+    mesh = tp_mesh(model)
     params = dict(model.named_parameters())
-    fill = {name: value for name, value in (fill or {}).items()
-            if name in params and model_key(name) not in entries}
+    fill = missing_fill(fill, params, entries)
     target, optim_keys, problem = {}, {}, None
     try:
         for name, param in params.items():
@@ -187,28 +274,20 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
                 continue
             if key not in entries:
                 raise CheckpointError(f"{checkpoint}: holds no parameter {name!r}")
-            target[key] = _empty_like_global(param, entries[key], mesh, key, checkpoint)
+            target[key] = empty_like_global(param, entries[key], mesh, key, checkpoint)
             if optimizer is None:
                 continue
-            prefix = optim_key(name, "")
-            for saved, md in entries.items():
-                if not saved.startswith(prefix) or "." in saved[len(prefix):]:
-                    continue
+            for entry, md in optim_entries(entries, name).items():
+                saved = optim_key(name, entry)
                 if len(md.size) == 0:  # AdamW's step: 0-dim, kept on the CPU as torch does
                     target[saved] = torch.empty((), dtype=md.properties.dtype)
                 else:
-                    target[saved] = _empty_like_global(param, md, mesh, saved, checkpoint)
-                optim_keys.setdefault(name, []).append(saved[len(prefix):])
+                    target[saved] = empty_like_global(param, md, mesh, saved, checkpoint)
+                optim_keys.setdefault(name, []).append(entry)
     except CheckpointError as err:
         problem = str(err)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:  # a pipeline rank may miss what the others have: all stop, or none
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise CheckpointError(problem)
-    _load(checkpoint, target, no_dist=not dist.is_initialized())
+    raise_agreed(problem)
+    load_tensors(checkpoint, target, no_dist=not dist.is_initialized())
     tp_rank = mesh.get_local_rank() if mesh is not None else 0
     with torch.no_grad():
         for name, param in params.items():
@@ -216,13 +295,24 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
                 param.copy_(local_shard(fill[name], param, tp_rank, mesh.size() if mesh
                                         is not None else 1))
                 continue
-            param.copy_(_local(target[model_key(name)]))
+            param.copy_(local_part(target[model_key(name)]))
             if name in optim_keys:
                 optimizer.state[param] = {
-                    key: _local(target[optim_key(name, key)]) for key in optim_keys[name]}
+                    key: local_part(target[optim_key(name, key)]) for key in optim_keys[name]}
 
 
-def _local(tensor):
+def raise_agreed(problem: str | None) -> None:
+    """CheckpointError on every rank if any rank has a `problem` (collective): a pipeline
+    rank may miss what the others have, so all stop, or none."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def local_part(tensor):
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -240,12 +330,11 @@ def read_full(checkpoint: Path, manifest: dict, names: list[str] | None = None,
     for name in wanted:
         if model_key(name) not in entries:
             raise CheckpointError(f"{checkpoint}: holds no parameter {name!r}")
-        prefix = optim_key(name, "")
-        for key, md in entries.items():
-            if key == model_key(name) or (optimizer and key.startswith(prefix)
-                                          and "." not in key[len(prefix):]):
-                target[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    _load(checkpoint, target, no_dist=no_dist)
+        target[model_key(name)] = torch.empty(entries[model_key(name)].size,
+                                              dtype=entries[model_key(name)].properties.dtype)
+        for entry, md in (optim_entries(entries, name) if optimizer else {}).items():
+            target[optim_key(name, entry)] = torch.empty(md.size, dtype=md.properties.dtype)
+    load_tensors(checkpoint, target, no_dist=no_dist)
     model_state, optimizer_state = {}, {}
     for key, tensor in target.items():
         if key.startswith(MODEL_PREFIX):

@@ -27,7 +27,7 @@ from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED
-from pretrain.run_checkpoint import SaveFailed
+from pretrain.run_checkpoint import Checkpointer, SaveFailed
 from pretrain.run_dir import agreed_on_rank0
 from pretrain.signals import StopRequest
 
@@ -104,6 +104,10 @@ class Trainer:
         self.local_batch = cfg.train.batch_size // layout.dp
         self.engine = build_engine(self.model_cfg, cfg, layout, self.dtype)
         self.model = self.engine.model  # this rank's parameters
+        self.checkpointer = Checkpointer(
+            self.engine, self.ckpt_dir, layout, timeout_s=cfg.parallel.timeout_s,
+            asynchronous=cfg.checkpoint.async_ is True
+            or (cfg.checkpoint.async_ == "auto" and layout.device.type == "cuda"))
         self.loader = TrainLoader(cfg.data.path, global_batch_size=cfg.train.batch_size,
                                   dp_rank=layout.dp_rank, dp_size=layout.dp, seed=cfg.train.seed,
                                   num_workers=cfg.data.num_workers)
@@ -144,17 +148,15 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (collective: every rank its own tensors);
-        every rank gets its path, or SaveFailed with the first error, at once."""
-        from pretrain.run_checkpoint import save_run
-
+        every rank gets its path, or SaveFailed with the first error, at once. With
+        checkpoint.async the path it will have once committed (`checkpointer.poll`)."""
         layout = self.layout
         meta = {"step": self.step, "loader": self.loader.state_dict(),
                 "mlflow_run_id": self.mlflow_run_id, "layout": layout.name,
                 "parallel": dataclasses.asdict(self.cfg.parallel), "world": layout.world,
                 "config": self.cfg.run.name, "fingerprint": self.fingerprint}
-        path = save_run(self.engine, self.ckpt_dir, self.step, meta,
-                        keep=self.cfg.checkpoint.keep, protect=self.protected_checkpoint,
-                        rank=layout.rank, world=layout.world)
+        path = self.checkpointer.save(self.step, meta, keep=self.cfg.checkpoint.keep,
+                                      protect=self.protected_checkpoint)
         self.saved_step = self.step
         return path
 
@@ -236,6 +238,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
     try:
         return _train(trainer, stop)
     finally:
+        trainer.checkpointer.close()  # a write in flight finishes before the lock goes
         if trainer.lock is not None:
             trainer.lock.release()
 
@@ -296,6 +299,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     progress = progress_bar(main, total=stop_at, initial=trainer.step, desc="train",
                             unit="step")
     data = iter(trainer.loader)
+    trainer.checkpointer.on_commit = lambda path: _committed(trainer, path, tracker)
     try:
         with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
             while trainer.step < stop_at:
@@ -307,6 +311,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                 record["mfu"] = (flops_per_token * record["tokens_per_s"]
                                  / (record["mfu_peak_flops"] * layout.world))
                 step = record["step"]
+                trainer.checkpointer.poll()
                 if main:
                     metrics.log(record)
                     tracker.log_metrics({k: v for k, v in record.items()
@@ -322,20 +327,22 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                 every = cfg.checkpoint.every
                 if (every and step % every == 0) or step == stop_at:
                     path = trainer.save()
-                    _print_main(layout, f"checkpoint: {path}")
-                    if main:
-                        _plot_dwa(trainer, path, tracker)
+                    if trainer.checkpointer.asynchronous:
+                        _print_main(layout, f"checkpoint: {path} (writing in the background)")
                 if cfg.data.val_batches and ((cfg.train.eval_every
                                               and step % cfg.train.eval_every == 0)
                                              or step == cfg.train.steps):
                     _validate(trainer, metrics, tracker)
                 if stop.agreed(layout.device):
                     path = _checkpoint_of_this_step(trainer)
+                    trainer.checkpointer.wait()
                     _print_main(layout, f"stopped on request after step {step}; "
                                 f"checkpoint {path}; exit status {EXIT_PREEMPTED}")
                     status, finish = EXIT_PREEMPTED, "KILLED"
                     break
+            trainer.checkpointer.wait()  # for the last save
     except NonFiniteLoss as err:
+        trainer.checkpointer.close()  # so that the last good checkpoint is complete
         _print_main(layout, f"error: non-finite training loss at {err}; nothing was saved for "
                     f"this step; last good checkpoint: {_last_good(trainer)}"
                     + ("" if cfg.train.on_nan == "skip" else
@@ -370,6 +377,14 @@ def _last_good(trainer: Trainer) -> Path | None:
     from pretrain import checkpoint
 
     return trainer.protected_checkpoint or checkpoint.latest_checkpoint(trainer.ckpt_dir)
+
+
+def _committed(trainer: Trainer, path: Path, tracker) -> None:
+    """A checkpoint is complete on disk: say so, and draw its DWA heatmap (rank 0)."""
+    _print_main(trainer.layout, f"checkpoint: {path}" + (
+        " (committed)" if trainer.checkpointer.asynchronous else ""))
+    if trainer.layout.is_main:
+        _plot_dwa(trainer, path, tracker)
 
 
 def _plot_dwa(trainer: Trainer, path: Path, tracker) -> None:

@@ -2,9 +2,10 @@
 
     ENOSPC_AT_SAVE=2 python tests/enospc_train.py train --config ... (or under torchrun)
 
-The ENOSPC_AT_SAVE-th save gets rank 0's tensor file in its temporary directory as a symlink to
-/dev/full, so the write fails in the kernel with ENOSPC exactly as on a full file system
-(root ignores permission bits, so an unwritable directory cannot stand in for it)."""
+The ENOSPC_AT_SAVE-th save gets rank 0's (ENOSPC_RANK's, if set) tensor file in its temporary
+directory as a symlink to /dev/full, so the write fails in the kernel with ENOSPC exactly as on
+a full file system (root ignores permission bits, so an unwritable directory cannot stand in
+for it)."""
 
 import os
 import sys
@@ -20,9 +21,10 @@ def _new_tmp_dir_on_a_full_disk(ckpt_root, step):
     global _saves
     tmp_dir = _new_tmp_dir(ckpt_root, step)
     _saves += 1
-    if _saves == int(os.environ["ENOSPC_AT_SAVE"]) and os.environ.get("RANK", "0") == "0":
+    if _saves == int(os.environ["ENOSPC_AT_SAVE"]):  # rank 0 creates the directory
         (tmp_dir / "tensors").mkdir()
-        os.symlink("/dev/full", tmp_dir / "tensors/__0_0.distcp")
+        rank = os.environ.get("ENOSPC_RANK", "0")
+        os.symlink("/dev/full", tmp_dir / f"tensors/__{rank}_0.distcp")
     return tmp_dir
 
 

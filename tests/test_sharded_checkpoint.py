@@ -102,18 +102,19 @@ _PRIMITIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast"
                "recv", "isend", "irecv")
 
 
-def _save_with_traffic_recorded(data: str, run_dir: str) -> dict:
-    """(in each of 4 ranks, TP2 x PP2) one step, then a save with every collective's tensor
-    bytes recorded; the largest, and what the save wrote."""
+def save_with_traffic_recorded(data: str, run_dir: str, world: int, layout: list[str],
+                               full_state: bool = False) -> dict:
+    """(in each of `world` ranks, `layout` overrides) one step, then a save with every
+    collective's tensor bytes recorded; the largest, what the save wrote and where, and
+    with `full_state` the ZeRO engine's full (gathered) model and optimizer state."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     from pretrain.config import load_config
     from pretrain.train import Trainer, distributed_session
 
-    sets = [*TINY, *WIDE, f"data.path={data}", f"run.dir={run_dir}", "parallel.tp=2",
-            "parallel.pp=2"]
-    cfg = load_config(ROOT / "configs/tiny.yaml", sets, world_size=4)
+    sets = [*TINY, *WIDE, f"data.path={data}", f"run.dir={run_dir}", *layout]
+    cfg = load_config(ROOT / "configs/tiny.yaml", sets, world_size=world)
     largest = [0]
 
     def recorded(fn):
@@ -138,20 +139,26 @@ def _save_with_traffic_recorded(data: str, run_dir: str) -> dict:
             for name, fn in saved.items():
                 setattr(distributed_c10d, name, fn)
                 setattr(dist, name, fn)
+        full = None
+        if full_state:
+            zero = trainer.engine.update_rule.zero
+            full = zero.full_model_state(), zero.full_optimizer_state()
         trainer.loader.close()
         if trainer.lock is not None:
             trainer.lock.release()
     files = read_manifest(path)["files"]
-    return {"largest": largest[0], "bytes": sum(f["bytes"] for f in files.values())}
+    return {"largest": largest[0], "bytes": sum(f["bytes"] for f in files.values()),
+            "path": str(path), "full": full}
 
 
 @pytest.mark.timeout(300)
 def test_no_collective_of_a_save_carries_more_than_1_mib(tiny_data, tmp_path):
     from tests.distributed import run_distributed_test
 
-    results = run_distributed_test(_save_with_traffic_recorded, world_size=4, timeout_s=240,
+    results = run_distributed_test(save_with_traffic_recorded, world_size=4, timeout_s=240,
                                    set_up_groups=False, data=str(tiny_data),
-                                   run_dir=str(tmp_path / "run"))
+                                   run_dir=str(tmp_path / "run"), world=4,
+                                   layout=["parallel.tp=2", "parallel.pp=2"])
     total = results[0]["bytes"]
     assert total > 8 * 2**20  # weights and AdamW moments: gathering them would show
     for rank, result in enumerate(results):

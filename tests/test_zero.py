@@ -154,7 +154,7 @@ def zero_resumed_run(stage: int, saved_at: int = 2):
 
 def deepspeed_links_state_late() -> bool:
     """Whether DeepSpeed still leaves the second param group's AdamW state unlinked after
-    the first update (the bug `ZeroEngine._link_optimizer_state` works around)."""
+    the first update (the bug `deepspeed_compat.relink_optimizer_state` works around)."""
     from parallel.zero import ZeroEngine
 
     cfg = config("parallel.zero_stage=1")
@@ -288,7 +288,7 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
     results = run_distributed_test(pure_dp_cases, world_size=2, timeout_s=400)
     for rank_result in results:
         assert rank_result["links_late"], "DeepSpeed links AdamW state in time now: drop " \
-            "ZeroEngine._link_optimizer_state"
+            "parallel.deepspeed_compat.relink_optimizer_state"
         for stage in (1, 2, 3):
             assert_close(rank_result[f"stage{stage}"], reference, f"ZeRO-{stage}")
             got = rank_result[f"stage{stage}-eps"]

@@ -19,7 +19,14 @@ from typing import Any
 import yaml
 
 from pretrain.config.coercion import coerce, is_str_field, unknown_key
-from pretrain.config.sections import RUN_CONTROL_KEYS, SECTIONS, Config, ConfigError
+from pretrain.config.sections import (
+    RUN_CONTROL_KEYS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    field_name,
+    key_name,
+)
 from pretrain.config.validation import validate
 
 
@@ -84,9 +91,9 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
         raise unknown_key(key, section_name, list(SECTIONS))
     section = getattr(cfg, section_name)
     hints = typing.get_type_hints(type(section))
-    if name not in hints:
-        raise unknown_key(key, name, list(hints))
-    setattr(section, name, coerce(key, value, hints[name]))
+    if field_name(name) not in hints:
+        raise unknown_key(key, name, [key_name(h) for h in hints])
+    setattr(section, field_name(name), coerce(key, value, hints[field_name(name)]))
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -99,7 +106,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except yaml.YAMLError as err:
         raise ConfigError(key, f"cannot parse {raw!r}: {err}") from None
     section = SECTIONS.get(key.partition(".")[0])
-    hint = typing.get_type_hints(section).get(key.partition(".")[2]) if section else None
+    hint = typing.get_type_hints(section).get(field_name(key.partition(".")[2])) \
+        if section else None
     if hint is not None and is_str_field(hint) and value is not None \
             and not isinstance(value, str):
         value = raw.strip()  # run.name=2024 means the string "2024"
@@ -130,7 +138,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """The config as a nested plain dict (YAML-dumpable; load_config reads it back)."""
-    return dataclasses.asdict(cfg)
+    return {section: {key_name(name): value for name, value in values.items()}
+            for section, values in dataclasses.asdict(cfg).items()}
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -7,6 +7,7 @@ to the model is a config key at once; its vocab_size may be null (taken from the
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -111,6 +112,9 @@ class ParallelSection:
 class CheckpointSection:
     every: int = ranged(0, ge=0)  # 0: only at the end (or at stop_at / on a stop signal)
     keep: int = ranged(3, ge=0)  # newest complete checkpoints kept; 0 keeps all
+    # The key `checkpoint.async` (a Python keyword: `field_name`): write checkpoints in the
+    # background while training goes on; auto: on with CUDA, off on CPU.
+    async_: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -143,6 +147,17 @@ class Config:
         """The layout as a short string, e.g. "tp2-pp2-dp2"."""
         dp = world_size // (self.parallel.tp * self.parallel.pp)
         return f"tp{self.parallel.tp}-pp{self.parallel.pp}-dp{dp}"
+
+
+def field_name(key_name: str) -> str:
+    """The dataclass field behind a key's name: a Python keyword gets a trailing underscore
+    (`checkpoint.async` is `CheckpointSection.async_`)."""
+    return f"{key_name}_" if keyword.iskeyword(key_name) else key_name
+
+
+def key_name(field: str) -> str:
+    """The name a dataclass field has as a config key (`field_name` undone)."""
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
 
 
 SECTIONS: dict[str, type] = {

@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 from pretrain.config.coercion import coerce
-from pretrain.config.sections import SECTIONS, Config, ConfigError, ParallelSection
+from pretrain.config.sections import SECTIONS, Config, ConfigError, ParallelSection, key_name
 from pretrain.model.config import RANGE, ModelConfigError, Range, numeric_kind
 
 
@@ -98,7 +98,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for section_name in SECTIONS:
         section = getattr(cfg, section_name)
         for name, hint in typing.get_type_hints(type(section)).items():
-            coerce(f"{section_name}.{name}", getattr(section, name), hint)
+            coerce(f"{section_name}.{key_name(name)}", getattr(section, name), hint)
     _check_ranges(cfg)
 
     m, o, t, p = cfg.model, cfg.optim, cfg.train, cfg.parallel
