@@ -46,3 +46,19 @@ def test_bad_llama_configs_are_refused_naming_the_key(overrides, key, message):
         load_config(None, ["model.vocab_size=300", "model.n_heads=4", "model.d_model=64",
                            *overrides], world_size=4)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize("fields,expected", [
+    # Llama 2 7B: 4096 wide, 32 heads, SwiGLU width 11008 (8/3 x 4096 rounded up to 256).
+    (dict(n_layers=32, d_model=4096, n_heads=32, vocab_size=32000), 6_738_415_616),
+    # Llama 3 8B: grouped-query attention with 8 key/value heads, its own SwiGLU width.
+    (dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, vocab_size=128256,
+          ffn_hidden_size=14336), 8_030_261_248)])
+def test_published_llama_parameter_counts(fields, expected):
+    """The counts Meta publishes (and transformers' LlamaForCausalLM gives) for these shapes."""
+    from pretrain.model import DenseFormerConfig
+
+    cfg = DenseFormerConfig(block="llama", tie_embeddings=False, dwa=False,
+                            vocab_pad_multiple=1, **fields)
+    assert cfg.num_params() == expected
+    assert cfg.ffn_width == fields.get("ffn_hidden_size", 11008)
