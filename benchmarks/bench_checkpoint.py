@@ -25,7 +25,10 @@ one torch thread each. Per rank:
   peak extra memory.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--layout zero|tp] [--ranks 1 2 4]
-        [--tensors 64 --rows 1024 --cols 1024] [--dir /tmp] [--json]
+        [--device cpu|cuda] [--tensors 64 --rows 1024 --cols 1024] [--dir /tmp] [--json]
+
+With `--device cuda` the state lives on the GPUs (ranks share them round robin), so the
+asynchronous save's blocked time is the device-to-host copy into pinned memory.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def state_of_rank(args: argparse.Namespace, rank: int, world: int, fill: bool = 
         total = args.tensors * numel
         lo, hi = rank * total // world, (rank + 1) * total // world
         flat = torch.randn(hi - lo, generator=gen) if fill else torch.zeros(hi - lo)
+        flat = flat.to(_device(args, rank))
         state = {}
         for n in range(args.tensors):
             start, stop = max(lo, n * numel), min(hi, (n + 1) * numel)
@@ -82,14 +86,31 @@ def state_of_rank(args: argparse.Namespace, rank: int, world: int, fill: bool = 
     from torch.distributed.tensor import DTensor, Shard
 
     rows = args.rows // world
-    mesh = DeviceMesh("cpu", list(range(world))) if world > 1 else None
+    device = _device(args, rank)
+    mesh = DeviceMesh(device.type, list(range(world))) if world > 1 else None
     state = {}
     for n in range(args.tensors):
-        local = torch.randn(rows, args.cols, generator=gen) if fill else \
-            torch.zeros(rows, args.cols)
+        local = (torch.randn(rows, args.cols, generator=gen) if fill else
+                 torch.zeros(rows, args.cols)).to(device)
         state[f"model.w{n}"] = local if mesh is None else \
             DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     return state
+
+
+def _device(args: argparse.Namespace, rank: int):
+    """Where this rank's state lives: the CPU, or a GPU (ranks share GPUs round robin)."""
+    import torch
+
+    if args.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _sync(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _values(value):
@@ -110,6 +131,8 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
     from pretrain.flat_shards import LoadPlanner
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(_device(args, rank))
     state = state_of_rank(args, rank, world)
     share = sum(t.numel() * 4 for v in state.values() for t in _values(v))
     group = dist.new_group(backend="gloo")
@@ -130,6 +153,7 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
     start = time.perf_counter()
     dcp.load(target, storage_reader=FileSystemReader(sync_dir / sharded_checkpoint.TENSOR_DIR),
              planner=LoadPlanner())
+    _sync(args)
     dist.barrier()
     out["load_s"] = time.perf_counter() - start
     out["load_equal"] = all(torch.equal(a, b) for key in state for a, b in
@@ -155,12 +179,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=("zero", "tp"), default="zero")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives (cuda: the save copies it to host memory)")
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device")
     if args.layout == "tp" and any(args.rows % world for world in args.ranks):
         parser.error("--layout tp: --rows must divide by every --ranks count")
 
