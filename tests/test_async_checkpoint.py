@@ -1,6 +1,7 @@
 """Asynchronous checkpoint saves (checkpoint.async, pretrain/run_checkpoint.py's
 Checkpointer): killed in flight, the previous checkpoint is whole and the run resumes from it
-exactly; a failed background write ends every rank naming it; and (slow) an asynchronous run
+exactly; a failed background write ends every rank naming it; a stop signal with saves in
+flight exits 75 once its checkpoint is committed; and (slow) an asynchronous run
 writes the same checkpoints and losses as a synchronous one."""
 
 from __future__ import annotations
@@ -106,3 +107,26 @@ def test_async_save_and_resume_equal_the_synchronous_run(tiny_data, tmp_path):
             assert torch.equal(got["model"][name], tensor), (step, name)
             for key, value in want["optimizer"][name].items():
                 assert torch.equal(got["optimizer"][name][key], value), (step, name, key)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_with_saves_in_flight_exits_75_after_the_commit(tiny_data, tmp_path):
+    """A save every step keeps one in flight: the stop waits for it and for its own."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(tiny_data, run_dir, "train.steps=100000", "checkpoint.every=1",
+                    "checkpoint.async=true", "tracking.enabled=false", "data.val_batches=0")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (metrics.exists()
+                                          and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr
+    ckpts = run_dir / "checkpoints"
+    last = latest_checkpoint(ckpts, verify_hashes=True)
+    step = max(losses(run_dir))
+    assert last == checkpoint_dir(ckpts, step), (last, step)  # the stopping step, committed
+    assert f"stopped on request after step {step}; checkpoint {last}" in stderr
+    assert not list(ckpts.glob(".tmp-*"))
