@@ -34,7 +34,6 @@ asynchronous save's blocked time is the device-to-host copy into pinned memory.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import shutil
 import sys
@@ -43,23 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> int:
-    """Reset the RSS high-water mark to the current RSS; the RSS in KiB. Free heap memory goes
-    back to the system first (glibc keeps freed 4 MiB tensors for reuse, which would hide
-    the next allocations from the high-water mark)."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    return _kib("VmRSS")
+from host_memory import reset_peak, status_kib  # noqa: E402
 
 
 def state_of_rank(args: argparse.Namespace, rank: int, world: int, fill: bool = True) -> dict:
@@ -140,12 +125,12 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
     out = {"rank": rank, "share_mib": share / 2**20}
 
     dist.barrier()
-    before = _reset_peak()
+    before = reset_peak()
     start = time.perf_counter()
     written = sharded_checkpoint.save(sync_dir, state, rank)
     dist.barrier()
     out["save_s"] = time.perf_counter() - start
-    out["save_peak_extra_mib"] = (_kib("VmHWM") - before) / 1024
+    out["save_peak_extra_mib"] = (status_kib("VmHWM") - before) / 1024
     out["bytes"] = sum(entry["bytes"] for entry in written.values())
 
     target = state_of_rank(args, rank, world, fill=False)
@@ -163,7 +148,7 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
     staged = None
     for run in ("first", "next"):  # a run's later saves reuse the first one's host copy
         dist.barrier()
-        before = _reset_peak()
+        before = reset_peak()
         start = time.perf_counter()
         staged = sharded_checkpoint.host_copy(state, dp_rank=0, dp_size=1, reuse=staged)
         future = sharded_checkpoint.save_async(async_dir / run, staged, group)
@@ -171,7 +156,7 @@ def measure(args: argparse.Namespace, directory: str) -> dict:
         future.result()
         dist.barrier()
         out[f"async_{run}_total_s"] = time.perf_counter() - start
-        out[f"async_{run}_peak_extra_mib"] = (_kib("VmHWM") - before) / 1024
+        out[f"async_{run}_peak_extra_mib"] = (status_kib("VmHWM") - before) / 1024
     return out
 
 

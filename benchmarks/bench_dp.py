@@ -26,14 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+from host_memory import status_kib  # noqa: E402
 
 
 def _engine(args: argparse.Namespace, mode: str):
@@ -83,13 +78,13 @@ def memory(args: argparse.Namespace, mode: str) -> dict:
     """One path alone in these 2 processes: the resident-memory high-water mark over a few
     steps, minus the RSS before the engine was built (model, gradients, AdamW state,
     activations and whatever the reduction allocates)."""
-    before = _rss_kib("VmRSS")
+    before = status_kib("VmRSS")
     engine, step = _engine(args, mode)
     for _ in range(3):
         step()
     grad_bytes = sum(p.numel() * 4 for p in engine.model.parameters())
     return {"params": grad_bytes // 4, "grad_mib": grad_bytes / 2**20,
-            "peak_mib": (_rss_kib("VmHWM") - before) / 1024}
+            "peak_mib": (status_kib("VmHWM") - before) / 1024}
 
 
 def main() -> int:
