@@ -328,12 +328,6 @@ class ZeroEngine:
 
         return GatheredParameters([param], modifier_rank=0)
 
-    def _flat_partitions(self) -> list[torch.Tensor]:
-        """DeepSpeed's flat fp32 master partitions, one per group (parallel/deepspeed_compat)."""
-        from parallel.deepspeed_compat import flat_partitions
-
-        return flat_partitions(self.engine.optimizer)
-
 
 def build_ops() -> None:
     """JIT-build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (once)."""

@@ -158,7 +158,10 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
         grads = sum(handed_to_adamw.values())
     inner = optimizer.state.values()
     moments = sum(nbytes(v) for state in inner for v in state.values() if v.ndim > 0)
-    masters = sum(nbytes(f) for f in zero._flat_partitions()) if zero is not None else 0
+    from parallel.deepspeed_compat import flat_partitions
+
+    masters = sum(nbytes(f) for f in flat_partitions(zero.engine.optimizer)) \
+        if zero is not None else 0
     return {"params": params, "grads": grads, "optimizer": moments + masters}
 
 
