@@ -40,6 +40,7 @@ def test_reference_dwa_equals_ours(pattern):
         torch.testing.assert_close(g_ref[reference.index[i]], g_ours[i - 1, list(js)])
 
 
+@pytest.mark.slow  # ~20 s of a benchmark run; its reference DWA is checked above
 def test_benchmark_runs_every_configuration():
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_model.py"), "--layers", "5",
            "--width", "16", "--heads", "2", "--seq", "8", "--batch", "1", "--vocab", "32",

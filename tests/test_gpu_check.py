@@ -51,6 +51,7 @@ def test_the_blocker_refuses_deepspeed_and_mlflow(bare_env):
         assert done.returncode != 0 and "not on the GPU machine" in done.stderr, module
 
 
+@pytest.mark.slow  # ~50 s; the script's start-up and document: the budget-0 test below
 @pytest.mark.timeout(400)
 def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_env):
     out = tmp_path / "out"
