@@ -34,7 +34,9 @@ from pretrain.model.denseformer import (
 )
 from pretrain.model.dwa_layout import buffer_layout
 from pretrain.model.init import init_parameters
-from pretrain.model.layers import Block, RotaryEmbedding, _no_init, norm
+from pretrain.model.layers import Block, norm
+from pretrain.model.linear import no_init
+from pretrain.model.rotary import RotaryEmbedding
 
 
 class StageModel(nn.Module):
@@ -54,7 +56,7 @@ class StageModel(nn.Module):
         last = any(p.is_last for p in programs)
         if any(p.is_first for p in programs) or (last and cfg.tie_embeddings):
             self.embedding = VocabParallelEmbedding(  # the tied LM head reads it too
-                cfg.padded_vocab_size, cfg.d_model, init_method=_no_init, config=mp,
+                cfg.padded_vocab_size, cfg.d_model, init_method=no_init, config=mp,
                 reduce_scatter_embeddings=self.sequence_parallel, tp_group=self.tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleDict({

@@ -35,7 +35,9 @@ from pretrain.model.dwa import (
 )
 from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
-from pretrain.model.layers import Block, RotaryEmbedding, _no_init, norm
+from pretrain.model.layers import Block, norm
+from pretrain.model.linear import column_linear, no_init
+from pretrain.model.rotary import RotaryEmbedding
 
 
 def megatron_config(tp_size: int, sequence_parallel: bool = False) -> ModelParallelConfig:
@@ -51,8 +53,9 @@ def _mark_tensor_parallel(model: nn.Module) -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     for module in model.modules():
-        dim = {ColumnParallelLinear: 0, RowParallelLinear: 1, VocabParallelEmbedding: 0}.get(
-            type(module))
+        dim = next((d for cls, d in ((ColumnParallelLinear, 0), (RowParallelLinear, 1),
+                                     (VocabParallelEmbedding, 0)) if isinstance(module, cls)),
+                   None)
         if dim is not None and not hasattr(module.weight, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(module.weight, True, dim, 1)
 
@@ -76,7 +79,7 @@ class DenseFormer(nn.Module):
                              f"TP={self.tp_size}")
         mp = megatron_config(self.tp_size, self.sequence_parallel)
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.d_model,
-                                                init_method=_no_init, config=mp,
+                                                init_method=no_init, config=mp,
                                                 reduce_scatter_embeddings=self.sequence_parallel,
                                                 tp_group=self.tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
@@ -266,11 +269,7 @@ def lm_head(cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group) -> nn.Mod
     None when the head is the embedding's transpose (model.tie_embeddings)."""
     if cfg.tie_embeddings:
         return None
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    return ColumnParallelLinear(cfg.d_model, cfg.padded_vocab_size, config=mp,
-                                init_method=_no_init, bias=False, gather_output=False,
-                                tp_group=tp_group)
+    return column_linear(cfg.d_model, cfg.padded_vocab_size, mp, tp_group)
 
 
 def dwa_mask_tensor(pattern: DWAPattern) -> torch.Tensor:

@@ -5,7 +5,7 @@ Pre-norm block: X_i = h + MLP(N(h)), h = Y_{i-1} + Attn(N(Y_{i-1})), with causal
 (`model.block`): gpt, the paper's (N = LayerNorm without bias, a GELU MLP of `ffn_width`),
 and llama (N = RMSNorm, SwiGLU: fc_out(silu(gate(x)) * up(x))). QKV and the MLP's input
 layers are column-parallel (heads / hidden units split over the TP group), the attention
-output and `fc_out` row-parallel; at TP=1 they are plain linears.
+output and `fc_out` row-parallel; at TP=1 they are plain linears (pretrain/model/linear.py).
 
 Parameter layouts (what pretrain/hf/llama_weights.py maps Hugging Face Llama weights onto):
 `attn.qkv.weight` has rows (kv group g, [the g-th group's n_heads / n_kv_heads query heads,
@@ -22,41 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
 from parallel.tensor import tp_rank_rng
 from pretrain.model.config import DenseFormerConfig
-
-
-def _no_init(_: torch.Tensor) -> None:
-    """Megatron init hook that does nothing: `pretrain.model.init` draws every weight."""
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotary position embeddings (rotate-half convention)."""
-
-    def __init__(self, head_dim: int, seq_len: int, base: float):
-        super().__init__()
-        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # (S, head_dim)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (B, heads, S, head_dim)."""
-        s = x.shape[-2]
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return x * self.cos[:s].to(x.dtype) + rotated * self.sin[:s].to(x.dtype)
-
-    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape (B, heads, S, head_dim) whose tokens sit at `positions` (B, S)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (B, 1, S, head_dim)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+from pretrain.model.linear import column_linear, row_linear
+from pretrain.model.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -75,12 +46,8 @@ class Attention(nn.Module):
         # Output features laid out by key/value group (module docstring), so that a
         # contiguous TP shard holds whole groups with their queries, key and value.
         width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
-        self.qkv = ColumnParallelLinear(cfg.d_model, width, config=mp,
-                                        init_method=_no_init, bias=False, gather_output=False,
-                                        tp_group=tp_group)
-        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, config=mp, init_method=_no_init,
-                                      bias=False, input_is_parallel=True, skip_bias_add=False,
-                                      tp_group=tp_group)
+        self.qkv = column_linear(cfg.d_model, width, mp, tp_group)
+        self.proj = row_linear(cfg.d_model, cfg.d_model, mp, tp_group)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, kv=None) -> torch.Tensor:
         """`kv`: this block's view of a KV cache (pretrain/generation.py `LayerKVCache`) for
@@ -88,16 +55,8 @@ class Attention(nn.Module):
         if kv is not None:
             return self._cached(x, rope, kv)
         qkv, _ = self.qkv(x)  # under SP: gathered to the full sequence first
-        if self.seq_first:
-            s, b, _ = qkv.shape
-            qkv = qkv.view(s, b, self.groups_local, self.group + 2, self.head_dim)
-            qkv = qkv.permute(1, 2, 3, 0, 4)  # (B, groups, g + 2, S, head_dim)
-        else:
-            b, s, _ = qkv.shape
-            qkv = qkv.view(b, s, self.groups_local, self.group + 2, self.head_dim)
-            qkv = qkv.permute(0, 2, 3, 1, 4)
-        q, k, v = self._split(qkv)
-        q, k = rope(q), rope(k)
+        q, k, v = rope.qkv(qkv, self.groups_local, self.group, self.seq_first)
+        b, s = q.shape[0], q.shape[2]
         dropout = self.dropout if self.training else 0.0
         with tp_rank_rng(self.tp_group, enabled=dropout > 0):  # heads differ per TP rank
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
@@ -134,11 +93,6 @@ class Attention(nn.Module):
         return q, qkv[:, :, self.group], qkv[:, :, self.group + 1]
 
 
-def _column(cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group, width: int):
-    return ColumnParallelLinear(cfg.d_model, width, config=mp, init_method=_no_init,
-                                bias=False, gather_output=False, tp_group=tp_group)
-
-
 class MLP(nn.Module):
     """gpt: fc_out(gelu(fc_in(x))); llama: fc_out(silu(gate(x)) * up(x)) (SwiGLU)."""
 
@@ -147,13 +101,11 @@ class MLP(nn.Module):
         hidden = cfg.ffn_width
         self.swiglu = cfg.block == "llama"
         if self.swiglu:
-            self.gate = _column(cfg, mp, tp_group, hidden)
-            self.up = _column(cfg, mp, tp_group, hidden)
+            self.gate = column_linear(cfg.d_model, hidden, mp, tp_group)
+            self.up = column_linear(cfg.d_model, hidden, mp, tp_group)
         else:
-            self.fc_in = _column(cfg, mp, tp_group, hidden)
-        self.fc_out = RowParallelLinear(hidden, cfg.d_model, config=mp, init_method=_no_init,
-                                        bias=False, input_is_parallel=True, skip_bias_add=False,
-                                        tp_group=tp_group)
+            self.fc_in = column_linear(cfg.d_model, hidden, mp, tp_group)
+        self.fc_out = row_linear(hidden, cfg.d_model, mp, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
