@@ -11,8 +11,9 @@ AdamW) on the same tokens:
   with `--llama` also `llama-transformer`, `llama-1x1`, `llama-4x5` (Llama-style blocks,
   SwiGLU width 8/3 x width rounded to 64: about the gpt block's parameter count), whose
   ratio is also given to the llama Transformer;
-- `anchor`: a nanoGPT-style model of the same shape, and `reference-KxP`: it with the
-  clean-room reference DWA in the official code's style (benchmarks/nanogpt_anchor.py);
+- `anchor`: a nanoGPT-style model of the same shape, `anchor-rope`: it with RoPE in plain
+  ops instead of learned positions (our architecture), and `reference-KxP`: the anchor with
+  the clean-room reference DWA in the official code's style (benchmarks/nanogpt_anchor.py);
   `official-KxP` with `--official PATH`, the official `DWAModules` from a checkout.
 
 Each round also measures the fp32 matmul peak (MFU: model FLOP/s over the median peak of
@@ -115,6 +116,10 @@ def train_steps(args) -> dict:
         model = AnchorGPT(args.layers, args.width, args.heads, args.seq, args.vocab, dwa)
         steps["anchor" if style is None else f"{style}-{pattern}"] = (
             config(args, pattern).flops_per_token(), step_of(model, model))
+        if style is None:
+            model = AnchorGPT(args.layers, args.width, args.heads, args.seq, args.vocab,
+                              rope=True)
+            steps["anchor-rope"] = (config(args, None).flops_per_token(), step_of(model, model))
     return steps
 
 

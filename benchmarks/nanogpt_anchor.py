@@ -3,9 +3,11 @@
 - `AnchorGPT`: a GPT in the style of nanoGPT's `model.py` (learned positions, pre-LN blocks
   of causal self-attention through `scaled_dot_product_attention` and a 4x GELU MLP, no
   biases, LM head tied to the embedding), written here so that the benchmark has a model
-  that owes nothing to this project. With a `dwa` object it calls `dwa.init_accumulators(X_0)`
-  once and `x = dwa(x, i)` after block i (0-based), the interface of the official
-  DenseFormer code's `DWAModules`, so the official class runs in it unchanged
+  that owes nothing to this project; with `rope=True` it has our architecture's positions
+  (RoPE in plain ops, no learned positions). With a `dwa` object it calls
+  `dwa.init_accumulators(X_0)` once and `x = dwa(x, i)` after block i (0-based), the
+  interface of the official DenseFormer code's `DWAModules`, so the official class runs in
+  it unchanged
   (`bench_model.py --official PATH`).
 - `ReferenceDWA`: a clean-room DWA in the style of the official code, written from the
   paper's description of it, not from its source: one preallocated buffer per residue
@@ -22,17 +24,36 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Rotary(nn.Module):
+    """RoPE as most plain implementations write it: x * cos + rotate_half(x) * sin."""
+
+    def __init__(self, head_dim: int, seq: int, base: float = 10000.0):
+        super().__init__()
+        freqs = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        t = x.shape[-2]
+        return x * self.cos[:t] + torch.cat((-x2, x1), dim=-1) * self.sin[:t]
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, rotary: Rotary | None = None):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width, bias=False)
+        self.rotary = [rotary]  # shared by the blocks, not a submodule of each
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(x).split(c, dim=2))
+        if self.rotary[0] is not None:
+            q, k = self.rotary[0](q), self.rotary[0](k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
@@ -48,10 +69,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, rotary: Rotary | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(width, bias=False)
-        self.attn = SelfAttention(width, heads)
+        self.attn = SelfAttention(width, heads, rotary)
         self.ln_2 = nn.LayerNorm(width, bias=False)
         self.mlp = MLP(width)
 
@@ -61,22 +82,25 @@ class Block(nn.Module):
 
 
 class AnchorGPT(nn.Module):
-    """nanoGPT-style LM; `model(tokens, targets)` returns the mean cross entropy."""
+    """nanoGPT-style LM; `model(tokens, targets)` returns the mean cross entropy. With
+    `rope`, RoPE on queries and keys (`Rotary`) instead of learned positions."""
 
     def __init__(self, layers: int, width: int, heads: int, seq: int, vocab: int,
-                 dwa: nn.Module | None = None):
+                 dwa: nn.Module | None = None, rope: bool = False):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
-        self.wpe = nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.rotary = Rotary(width // heads, seq) if rope else None
+        self.wpe = None if rope else nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads, self.rotary) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width, bias=False)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in nanoGPT
         self.dwa = dwa
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(positions)
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         x = self.run_blocks(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -40,6 +40,44 @@ def test_reference_dwa_equals_ours(pattern):
         torch.testing.assert_close(g_ref[reference.index[i]], g_ours[i - 1, list(js)])
 
 
+def test_anchor_with_rope_is_our_transformer():
+    """`anchor-rope` is our architecture: given our Transformer's weights it gives its loss
+    and gradients (our QKV rows are (head, q|k|v, head_dim), nanoGPT's (q|k|v, head,
+    head_dim))."""
+    args = parse_args(["--layers", "3", "--width", "16", "--heads", "2", "--seq", "8",
+                       "--vocab", "40"])
+    ours = DenseFormer(config(args, None))
+    anchor = AnchorGPT(3, 16, 2, 8, 40, rope=True)
+    names = {"wte.weight": "embedding.weight", "ln_f.weight": "final_norm.weight"}
+    for i in range(3):
+        for theirs, mine in (("ln_1", "norm_attn"), ("attn.qkv", "attn.qkv"),
+                             ("attn.proj", "attn.proj"), ("ln_2", "norm_mlp"),
+                             ("mlp.fc", "mlp.fc_in"), ("mlp.proj", "mlp.fc_out")):
+            names[f"blocks.{i}.{theirs}.weight"] = f"blocks.{i}.{mine}.weight"
+    params = dict(ours.named_parameters())
+
+    def mapped(theirs: str, grad: bool = False) -> torch.Tensor:
+        value = params[names[theirs]]
+        value = value.grad if grad else value
+        if theirs == "wte.weight":
+            return value[:40]  # our vocabulary is padded
+        if theirs.endswith("attn.qkv.weight"):  # (head, q|k|v, d) -> (q|k|v, head, d)
+            return value.view(2, 3, 8, 16).transpose(0, 1).reshape(48, 16)
+        return value
+
+    with torch.no_grad():
+        for name, p in anchor.named_parameters():
+            p.copy_(mapped(name))
+    tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    loss_ours = ours.loss(tokens[:, :-1], tokens[:, 1:])
+    loss_anchor = anchor(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss_anchor, loss_ours, rtol=1e-6, atol=1e-6)
+    loss_ours.backward()
+    loss_anchor.backward()
+    for name, p in anchor.named_parameters():
+        torch.testing.assert_close(p.grad, mapped(name, grad=True), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # ~20 s of a benchmark run; its reference DWA is checked above
 def test_benchmark_runs_every_configuration():
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_model.py"), "--layers", "5",
@@ -50,7 +88,8 @@ def test_benchmark_runs_every_configuration():
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert results["variants"]["transformer"]["ratio_vs_transformer"] == 1.0
-    assert {"anchor", "dense-4x1", "reference-4x5", "llama-4x5"} <= results["variants"].keys()
+    assert {"anchor", "anchor-rope", "dense-4x1", "reference-4x5",
+            "llama-4x5"} <= results["variants"].keys()
     assert results["variants"]["llama-transformer"]["ratio_vs_llama_transformer"] == 1.0
     assert results["dwa_alone"]["ours-1x1"]["floor_mib"] > 0
 
