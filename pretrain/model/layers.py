@@ -27,7 +27,7 @@ from torch import nn
 from parallel.tensor import tp_rank_rng
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.linear import column_linear, row_linear
-from pretrain.model.rotary import RotaryEmbedding
+from pretrain.model.rotary import RotaryEmbedding, split_qkv
 
 
 class Attention(nn.Module):
@@ -75,22 +75,13 @@ class Attention(nn.Module):
             raise ValueError("cached attention needs a model without sequence parallelism")
         qkv, _ = self.qkv(x)
         b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.groups_local, self.group + 2, self.head_dim)
-        q, k, v = self._split(qkv.permute(0, 2, 3, 1, 4))
+        q, k, v = split_qkv(qkv, self.groups_local, self.group)
         q, k = rope.at(q, kv.positions), rope.at(k, kv.positions)
         keys, values = kv.append(k, v)  # the cache holds key/value heads only
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=kv.mask,
                                              is_causal=kv.is_causal, enable_gqa=self.group > 1)
         out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
-
-
-    def _split(self, qkv: torch.Tensor):
-        """q (B, heads, S, head_dim), k and v (B, key/value heads, S, head_dim) from the
-        grouped (B, groups, g + 2, S, head_dim)."""
-        b, groups, _, s, d = qkv.shape
-        q = qkv[:, :, :self.group].reshape(b, groups * self.group, s, d)
-        return q, qkv[:, :, self.group], qkv[:, :, self.group + 1]
 
 
 class MLP(nn.Module):

@@ -59,10 +59,17 @@ def rotary_qkv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          groups: int, group: int, seq_first: bool = False):
     """`RotaryEmbedding.qkv` in plain differentiable ops (under torch.compile, and the
     reference the tests hold the autograd function to)."""
+    q, k, v = split_qkv(qkv, groups, group, seq_first)
+    return rotated(q, cos, sin), rotated(k, cos, sin), v
+
+
+def split_qkv(qkv: torch.Tensor, groups: int, group: int, seq_first: bool = False):
+    """q (B, groups * group, S, head_dim), k and v (B, groups, S, head_dim), not rotated,
+    from the QKV output (as `RotaryEmbedding.qkv` takes it)."""
     src = _grouped(qkv, groups, group, seq_first)
     b, _, _, s, d = src.shape
     q = src[:, :, :group].reshape(b, groups * group, s, d)
-    return rotated(q, cos, sin), rotated(src[:, :, group], cos, sin), src[:, :, group + 1]
+    return q, src[:, :, group], src[:, :, group + 1]
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
