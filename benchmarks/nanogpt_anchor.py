@@ -46,14 +46,14 @@ class SelfAttention(nn.Module):
         self.heads = heads
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width, bias=False)
-        self.rotary = [rotary]  # shared by the blocks, not a submodule of each
+        self.rotary = rotary  # one module shared by every block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
                    for z in self.qkv(x).split(c, dim=2))
-        if self.rotary[0] is not None:
-            q, k = self.rotary[0](q), self.rotary[0](k)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 

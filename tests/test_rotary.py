@@ -24,12 +24,12 @@ def textbook_rope(x: torch.Tensor, base: float) -> torch.Tensor:
     return torch.cat([z.real, z.imag], dim=-1)
 
 
-def qkv_input(groups: int, group: int, seq_first: bool, dtype=torch.float64, seed: int = 0):
+def qkv_input(groups: int, group: int, seq_first: bool):
+    """A float64 QKV output (B=3, S=10) with head_dim 8, and the head_dim."""
     b, s, d = 3, 10, 8
     shape = (s, b) if seq_first else (b, s)
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, groups * (group + 2) * d, generator=gen, dtype=dtype,
-                       requires_grad=True), d
+    return torch.randn(*shape, groups * (group + 2) * d, generator=torch.Generator().manual_seed(0),
+                       dtype=torch.float64, requires_grad=True), d
 
 
 def grouped(qkv: torch.Tensor, groups: int, group: int, seq_first: bool) -> torch.Tensor:
@@ -69,7 +69,7 @@ def test_inference_rotation_at_positions_equals_the_training_one():
     qkv, d = qkv_input(2, 2, False)
     q, k, _ = rope.qkv(qkv, 2, 2)
     positions = torch.arange(10).expand(3, 10)
-    x = qkv.detach().view(3, 10, 2, 4, d).permute(0, 2, 3, 1, 4)
+    x = grouped(qkv.detach(), 2, 2, False)
     torch.testing.assert_close(rope.at(x[:, :, :2].reshape(3, 4, 10, d), positions), q.detach())
     torch.testing.assert_close(rope.at(x[:, :, 2], positions), k.detach())
     # Later positions: the rows of the table at those positions.
