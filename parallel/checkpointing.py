@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.dwa import BufferedDWA, depth_weighted_average
+from pretrain.model.dwa import BufferedDWA, depth_weighted_average, storage_dtype
 
 MODES = ("none", "block", "dwa_block")
 
@@ -96,8 +96,9 @@ class _UnitRunner:
         self.recorder = recorder
         self.plan = plan = model.dwa_pattern  # pretrain/model/dwa_pattern.py
         self.lead_dwa = lead_dwa
+        self.storage = storage_dtype(model.config.dwa_dtype)
         self.buffered = None if functional or not plan.slot else BufferedDWA(
-            plan.layout, model.dwa_alpha, x0)
+            plan.layout, model.dwa_alpha, x0, self.storage)
         # j -> autograd handle of an X_j that a later DWA reads: after(X_j) when buffered
         # (X_j itself is in the buffer), else the tensor X_j.
         self.handles: dict[int, torch.Tensor] = {}
@@ -114,12 +115,15 @@ class _UnitRunner:
                 handles[j] = after(x)
         return x
 
-    def dwa(self, i: int, alpha: torch.Tensor, handles: dict) -> torch.Tensor:
-        """Y_i = sum over S_i of alpha[i, j] X_j."""
+    def dwa(self, i: int, alpha: torch.Tensor, handles: dict,
+            live: torch.Tensor | None = None) -> torch.Tensor:
+        """Y_i = sum over S_i of alpha[i, j] X_j (`live`: X_i, where the pass holds it; a
+        recomputed leading DWA reads it from its buffer)."""
         deps = [handles[j] for j in self.plan.inputs[i]]
-        if self.buffered is None:
-            return depth_weighted_average(alpha[self.plan.layout.weights_index[i]], deps)
-        return self.buffered.combine(i, deps)
+        if self.buffered is None:  # the handles are the X_j themselves
+            return depth_weighted_average(alpha[self.plan.layout.weights_index[i]], deps,
+                                          self.storage, diagonal=True)
+        return self.buffered.combine(i, deps, live)
 
     def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
         """A fresh copy of the buffered X_j (its gradient goes to the gradient buffer)."""
@@ -140,7 +144,7 @@ class _UnitRunner:
             if self.recomputes_entry(a):
                 entry = None
             elif a - 1 in plan.inputs:
-                entry = self.dwa(a - 1, alpha, self.handles)  # kept as the unit's input
+                entry = self.dwa(a - 1, alpha, self.handles, x)  # kept as the unit's input
             else:
                 entry = x
             reads = self._reads_before(a, b)
@@ -153,7 +157,7 @@ class _UnitRunner:
             x = outputs[0]
             self.handles.update(zip(produced, outputs[1:], strict=True))
         d = self.model.config.n_layers
-        return self.dwa(d, alpha, self.handles) if d in plan.inputs else x
+        return self.dwa(d, alpha, self.handles, x) if d in plan.inputs else x
 
     def _reads_before(self, a: int, b: int) -> list[int]:
         """The X_j (j < a) that the DWAs computed inside unit [a, b] read."""
@@ -177,7 +181,7 @@ class _UnitRunner:
             for i in range(a, b + 1):
                 x = self.keep(i, self.model.blocks[i - 1](y), handles)
                 if i < b:
-                    y = self.dwa(i, alpha, handles) if i in self.plan.inputs else x
+                    y = self.dwa(i, alpha, handles, x) if i in self.plan.inputs else x
             return (x, *[handles[i] for i in produced])
 
         return unit

@@ -32,6 +32,7 @@ from pretrain.model.denseformer import (
     lm_head,
     megatron_config,
 )
+from pretrain.model.dwa import storage_dtype
 from pretrain.model.dwa_layout import buffer_layout
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
@@ -131,7 +132,8 @@ class StageModule(nn.Module):
                 (x if item.kind == "x" else sums)[item.index] = tensor
         blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
         layout = None if torch.compiler.is_compiling() else self.dwa_layout
-        out = run_program(program, model.dwa_alpha, x, sums, blocks, layout)
+        out = run_program(program, model.dwa_alpha, x, sums, blocks, layout,
+                          storage_dtype(model.config.dwa_dtype))
         if program.is_last:
             # (B, S, V / TP), or (S, B, V / TP) under sequence parallelism
             return model.local_logits(out, seq_first=True)

@@ -240,19 +240,19 @@ def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
 
 
 def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
-                layout=None):
+                layout=None, storage_dtype=None):
     """Execute a StageProgram on tensors. `x` maps j to X_j (received, or X_0 on the first
     stage), `sums` maps c to a received partial sum; `blocks[i]` is block i's callable;
     `alpha` is the full (d, d + 1) matrix. With `layout` (`buffer_layout` of
     `program.dwa_reads()`) the DWAs run buffered, as in the single-process model, else
-    functional (stack + tensordot). Returns the outgoing tensors (a tuple), or Y_d on the
-    last stage."""
+    functional (stack + tensordot). `storage_dtype`: the DWAs' (`model.dwa_dtype`; None: the
+    stream's). Returns the outgoing tensors (a tuple), or Y_d on the last stage."""
     from pretrain.model.dwa import BufferedDWA, depth_weighted_average
 
     buffered = None
     if layout is not None and layout.slot:
         like = next(iter((*x.values(), *sums.values())))
-        buffered = BufferedDWA(layout, alpha, like)
+        buffered = BufferedDWA(layout, alpha, like, storage_dtype)
         for j in list(x):
             x[j] = buffered.store(j, x[j])
 
@@ -261,10 +261,11 @@ def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
             return x[src.index]
         total = None
         if src.terms and buffered is not None:
-            total = buffered.combine(src.index, [x[j] for j in src.terms])
+            total = buffered.combine(src.index, [x[j] for j in src.terms], x.get(src.index))
         elif src.terms:
             total = depth_weighted_average(alpha[src.index - 1, list(src.terms)],
-                                           [x[j] for j in src.terms])
+                                           [x[j] for j in src.terms], storage_dtype,
+                                           diagonal=src.terms[-1] == src.index)
         if src.base:
             total = sums[src.index] if total is None else sums[src.index] + total
         return total

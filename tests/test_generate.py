@@ -104,9 +104,9 @@ def test_dwa_state_holds_exactly_what_the_pattern_implies(shape):
     peaks = []
     original = dwa.PrefillDWAState.combine
 
-    def spy(self, i):
+    def spy(self, i, live):
         peaks.append(len(self.kept))
-        return original(self, i)
+        return original(self, i, live)
 
     dwa.PrefillDWAState.combine = spy
     try:

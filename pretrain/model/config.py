@@ -107,6 +107,10 @@ class DenseFormerConfig:
     # Initial alpha off the diagonal (connect-to-last uses 1e-4; DenseFormer 0, so that the
     # model equals a Transformer at init); at most the diagonal's 1.
     dwa_init_offdiag: float = ranged(0.0, ge=0, le=1)
+    # The dtype the DWAs keep the block outputs X_j (and, in backward, their output
+    # gradients) in: fp32 is the residual stream's own (the paper's numerics); bf16 halves
+    # those bytes. Sums are fp32 either way (pretrain/model/dwa.py).
+    dwa_dtype: Literal["fp32", "bf16"] = "fp32"
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
     mlp_ratio: int = ranged(4, ge=1)
@@ -148,6 +152,8 @@ class DenseFormerConfig:
                 "n_heads", f"head size {self.d_model // self.n_heads} must be even for RoPE")
         if self.dwa and self.skip_gains:
             raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false")
+        if self.dwa_dtype not in ("fp32", "bf16"):
+            raise ModelConfigError("dwa_dtype", f"must be fp32 or bf16, got {self.dwa_dtype!r}")
         if self.block not in ("gpt", "llama"):
             raise ModelConfigError("block", f"must be gpt or llama, got {self.block!r}")
         if self.n_heads % self.kv_heads:

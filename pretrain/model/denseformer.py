@@ -32,6 +32,7 @@ from pretrain.model.dwa import (
     DecodeDWAState,
     PrefillDWAState,
     depth_weighted_average,
+    storage_dtype,
 )
 from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
@@ -118,9 +119,9 @@ class DenseFormer(nn.Module):
             functional = torch.compiler.is_compiling()
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing.run_blocks(self, x0, functional)
-        pattern = self.dwa_pattern
+        pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         buffered = None if functional or not pattern.slot else BufferedDWA(
-            pattern.layout, self.dwa_alpha, x0)
+            pattern.layout, self.dwa_alpha, x0, storage)
         kept = {}  # j -> X_j, for the X_j that a later DWA reads
 
         def keep(j: int, x: torch.Tensor) -> torch.Tensor:
@@ -137,9 +138,9 @@ class DenseFormer(nn.Module):
                 y = x
             elif buffered is None:
                 y = depth_weighted_average(self.dwa_alpha[pattern.layout.weights_index[i]],
-                                           [kept[j] for j in js])
+                                           [kept[j] for j in js], storage, diagonal=True)
             else:
-                y = buffered.combine(i, [kept[j] for j in js])
+                y = buffered.combine(i, [kept[j] for j in js], live=x)
         return y
 
     @property
@@ -194,20 +195,22 @@ class DenseFormer(nn.Module):
         The DWAs read the new tokens' block outputs only: over several tokens (a prompt) each
         X_j is dropped after its last reader (`PrefillDWAState`); one token per sequence (a
         decoding step) uses the cache's fixed `DecodeDWAState`."""
-        pattern = self.dwa_pattern
+        pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
         if tokens.shape[1] > 1 or not pattern.slot:
-            dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in self._dwa_weights()})
+            dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in self._dwa_weights()},
+                                  storage)
         else:
             if cache.dwa_decode is None:
-                cache.dwa_decode = DecodeDWAState(pattern, dict(self._dwa_weights()), x0)
+                cache.dwa_decode = DecodeDWAState(pattern, dict(self._dwa_weights()), x0,
+                                                  storage)
             dwa = cache.dwa_decode
         dwa.keep(0, x0)
         y = x0
         for i, block in enumerate(self.blocks, start=1):
             x = block(y, cache.layers[i - 1])
             dwa.keep(i, x)
-            y = dwa.combine(i) if pattern.has_dwa(i) else x
+            y = dwa.combine(i, x) if pattern.has_dwa(i) else x
         return self.head(y[:, -1:] if last_only else y)
 
     def _dwa_weights(self):

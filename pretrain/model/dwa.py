@@ -11,12 +11,21 @@ contraction, tested against each other and a naive loop:
   per-class gradient buffer; when autograd reaches X_j, its whole DWA gradient
   sum_i alpha[i, j] dY_i and the alpha gradients <dY_i, X_j> on column j come from one pass
   over the rows of the DWAs that read it (`stored_output_grads`). So backward reads each
-  (i, j) pair once, as forward does (docs/design.md#bytes-moved-by-the-dwas). Autograd never
+  (i, j) pair once, as forward does (docs/design.md#bytes-moved-by-the-dwas); the products
+  themselves, and the device-dependent way they run, are in dwa_products.py. Autograd never
   saves (or version-checks) the buffers, so writing later slots is safe; the buffers belong
   to one forward pass, so micro-batches and activation recomputation (which rewrites
   identical values) do not interfere.
 - functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
   the compiler fuses the stack into the reduction.
+
+Storage dtype (`model.dwa_dtype`): the stored X_j, and in backward the DWAs' output-gradient
+rows, may be kept in bf16 while the residual stream is fp32. Sums are always fp32, and the
+diagonal term alpha[i, i] X_i of the DWA after block i uses the live X_i wherever the
+forward pass has it (`live`), so that a model at initialisation (alpha = identity) still
+equals the Transformer exactly and X_i's gradient through that term is exact; the alpha
+gradients read the stored X_j. Where a checkpointed unit recomputes its leading DWA from
+the buffers (`dwa_block`), that DWA's diagonal is read from storage too.
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ import torch
 
 from pretrain.model.dwa_layout import BufferLayout
 from pretrain.model.dwa_pattern import DWAPattern
+from pretrain.model.dwa_products import stored_output_grads, weighted_rows
 
-# The fused backward pass reads the gradient rows in chunks of columns of at most this many
-# bytes, so a chunk is still in cache (a quarter of a 32 MiB L3) when the second product
-# reads it; rows that fit stay one chunk (each chunk costs two more small ops).
-_CHUNK_BYTES = 4 << 20
+
+
+def storage_dtype(dwa_dtype: str) -> torch.dtype | None:
+    """The buffers' dtype for `model.dwa_dtype`: None (the stream's own) for fp32."""
+    return {"fp32": None, "bf16": torch.bfloat16}[dwa_dtype]
 
 
 def _stream_precision(x: torch.Tensor):
@@ -71,13 +82,17 @@ class DWABuffers:
     """One forward pass's stored X_j (per class, contiguous) and, in backward, the DWAs'
     output gradients (per class, one row per DWA)."""
 
-    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor):
+    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor,
+                 storage_dtype: torch.dtype | None = None):
         self.layout = layout
         # alpha as this forward pass applies it (one small copy, in the stream's dtype).
         self.alpha = alpha.detach().to(like.dtype, copy=True)
-        self.values = {r: _POOL.take((n, *like.shape), like)
+        stored_like = like if storage_dtype is None else like.to(storage_dtype)
+        self.values = {r: _POOL.take((n, *like.shape), stored_like)
                        for r, n in layout.class_sizes.items()}
         self.output_grads: dict[int, torch.Tensor] = {}
+        # Consumers whose diagonal term took the live X_c (its gradient went there).
+        self.live_diagonal: set[int] = set()
         # Back to the pool once autograd has freed the graph that holds this object.
         weakref.finalize(self, _POOL.give_back, self.values, self.output_grads)
         self.unfilled: dict[int, set[int]] = {}  # rows whose DWA has had no gradient (yet)
@@ -90,7 +105,7 @@ class DWABuffers:
             rows = self.layout.class_rows[r]
             self.output_grads[r] = _POOL.take((rows, self.values[r][0].numel()), self.values[r])
             self.unfilled[r] = set(range(rows))
-        self.output_grads[r][row].copy_(grad.reshape(-1))
+        self.output_grads[r][row].copy_(grad.reshape(-1))  # rounded to the storage dtype
         self.unfilled[r].discard(row)
 
     def reader_grads(self, j: int) -> torch.Tensor | None:
@@ -106,25 +121,19 @@ class DWABuffers:
         return grads[start:stop]
 
 
-def stored_output_grads(rows: torch.Tensor, weights: torch.Tensor, x: torch.Tensor,
-                        grad: torch.Tensor | None, chunk: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad + rows^T weights, rows x) for rows (m, n), weights (m,), x and grad (n,): X_j's
-    gradient and the gradients of its m alphas, reading `rows` from memory once (chunks of
-    columns small enough to stay in cache between the two products; `chunk`: columns per
-    chunk, for tests)."""
-    m, n = rows.shape
-    out = torch.empty_like(x)
-    grad_weights = torch.zeros(m, dtype=rows.dtype, device=rows.device)
-    step = chunk or max(1024, _CHUNK_BYTES // (m * rows.element_size()))
-    for start in range(0, n, step):
-        part, cols = rows[:, start:start + step], slice(start, start + step)
-        if grad is None:
-            torch.mv(part.t(), weights, out=out[cols])
-        else:
-            torch.addmv(grad[cols], part.t(), weights, out=out[cols])
-        grad_weights.addmv_(part, x[cols])
-    return out, grad_weights
+    def reads_own_output(self, c: int) -> bool:
+        """Whether consumer c's last input is X_c (the diagonal term of the DWA after c)."""
+        r, _, stop = self.layout.reads[c]
+        return self.layout.slot.get(c) == (r, stop - 1)
+
+    def column_weights(self, j: int) -> torch.Tensor:
+        """The alphas on X_j of its readers (contiguous), zero for a reader whose diagonal
+        term took the live X_j (Combine gave X_j that gradient already)."""
+        weights = self.alpha[self.layout.column_index[j]].contiguous()
+        if j in self.live_diagonal:
+            r, start, _ = self.layout.readers[j]
+            weights[self.layout.row[j][1] - start] = 0
+        return weights
 
 
 class StoreOutput(torch.autograd.Function):
@@ -151,13 +160,13 @@ class StoreOutput(torch.autograd.Function):
             return grad, None, None, None
         r, position = buffers.layout.slot[j]
         x = buffers.values[r][position]
-        flat = None if grad is None else grad.reshape(-1).to(rows.dtype)
-        weights = buffers.alpha[buffers.layout.column_index[j]].contiguous()  # as in Combine
+        weights = buffers.column_weights(j)
+        flat = None if grad is None else grad.reshape(-1).to(weights.dtype)
         grad_x, grad_weights = stored_output_grads(rows, weights, x.reshape(-1), flat)
         shape, dtype = ctx.alpha_meta
         grad_alpha = grad_weights.new_zeros(shape, dtype=dtype)
         grad_alpha[buffers.layout.column_index[j]] = grad_weights
-        return grad_x.view(x.shape).to(x.dtype), grad_alpha, None, None
+        return grad_x.view(x.shape), grad_alpha, None, None
 
 
 class Combine(torch.autograd.Function):
@@ -165,25 +174,37 @@ class Combine(torch.autograd.Function):
     slice of the buffer consumer c reads; in backward it only files dY_c (StoreOutput turns
     it into the gradients of the X_j and of the alphas).
 
+    `live`: X_c itself (or None) when c reads X_c from a buffer of another dtype; its term is
+    then alpha[c, c] live, and its gradient alpha[c, c] dY_c goes straight to `live`.
     `stored` are the StoreOutput results for S_c: passed only so that autograd runs this
     backward before theirs; their gradient goes through the gradient buffer instead."""
 
     @staticmethod
-    def forward(ctx, alpha, buffers: DWABuffers, c: int, *stored):
+    def forward(ctx, alpha, buffers: DWABuffers, c: int, live, *stored):
         r, start, stop = buffers.layout.reads[c]
-        values = buffers.values[r][start:stop]
         ctx.buffers, ctx.c, ctx.n_stored = buffers, c, len(stored)
         ctx.set_materialize_grads(False)
         # A contiguous copy of the strided view (|S_c| floats): gemv is a quarter faster.
         weights = buffers.alpha[buffers.layout.weights_index[c]].contiguous()
+        ctx.diagonal = None
+        if live is not None:
+            ctx.diagonal = weights[-1]
+            buffers.live_diagonal.add(c)
+            stop, weights = stop - 1, weights[:-1]
+        values = buffers.values[r][start:stop]
         with _stream_precision(values):
-            return torch.mv(values.reshape(stop - start, -1).t(), weights).view(values.shape[1:])
+            y = weighted_rows(values.reshape(stop - start, -1), weights, weights.dtype)
+            y = y.view(values.shape[1:])
+            return y if live is None else y.add_(live * ctx.diagonal)
 
     @staticmethod
     def backward(ctx, grad_y):
+        grad_live = None
         if grad_y is not None:
             ctx.buffers.file_output_grad(ctx.c, grad_y)
-        return (None, None, None) + (None,) * ctx.n_stored
+            if ctx.diagonal is not None:
+                grad_live = grad_y * ctx.diagonal
+        return (None, None, None, grad_live) + (None,) * ctx.n_stored
 
 
 class ReadStored(torch.autograd.Function):
@@ -207,11 +228,13 @@ class ReadStored(torch.autograd.Function):
 
 class BufferedDWA:
     """The buffered DWAs of one forward pass: `store` each X_j as it is made (a consumer
-    reads it from the buffer), `combine` each consumer when its inputs are all stored."""
+    reads it from the buffer), `combine` each consumer when its inputs are all stored.
+    `storage_dtype`: the buffers' dtype (None: the stream's, `like`'s)."""
 
-    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor):
+    def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor,
+                 storage_dtype: torch.dtype | None = None):
         self.layout, self.alpha = layout, alpha
-        self.buffers = DWABuffers(layout, alpha, like)
+        self.buffers = DWABuffers(layout, alpha, like, storage_dtype)
 
     def store(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """X_j, through StoreOutput if some consumer reads it."""
@@ -219,9 +242,16 @@ class BufferedDWA:
             return x
         return StoreOutput.apply(x, self.alpha, self.buffers, j)
 
-    def combine(self, c: int, stored: list[torch.Tensor]) -> torch.Tensor:
-        """Consumer c's sum over its X_j (`stored`: their `store` results, or handles)."""
-        return Combine.apply(self.alpha, self.buffers, c, *stored)
+    def combine(self, c: int, stored: list[torch.Tensor], live: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Consumer c's sum over its X_j (`stored`: their `store` results, or handles).
+        `live`: X_c as the forward pass holds it, when it does; with a storage dtype other
+        than the stream's, the diagonal term takes it (see the module docstring)."""
+        buffers = self.buffers
+        if live is not None and (live.dtype == buffers.values[buffers.layout.reads[c][0]].dtype
+                                 or not buffers.reads_own_output(c)):
+            live = None
+        return Combine.apply(self.alpha, buffers, c, live, *stored)
 
     def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
         """A copy of the stored X_j (`handle`: its `store` result, or a stand-in)."""
@@ -229,27 +259,41 @@ class BufferedDWA:
 
 
 class DepthWeightedAverage(torch.autograd.Function):
-    """y = sum_n weights[n] * xs[n] (functional form; saves only references to the inputs)."""
+    """y = sum_n weights[n] * xs[n] in `dtype` (functional form; saves only references to
+    the inputs, which may be in a narrower storage dtype)."""
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weights: torch.Tensor, dtype: torch.dtype, *xs: torch.Tensor
+                ) -> torch.Tensor:
         ctx.save_for_backward(weights, *xs)
+        ctx.dtype = dtype
         with _stream_precision(xs[0]):
-            return torch.tensordot(weights.to(xs[0].dtype), torch.stack(xs), dims=1)
+            stacked = torch.stack([x.to(dtype) for x in xs])
+            return torch.tensordot(weights.to(dtype), stacked, dims=1)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         weights, *xs = ctx.saved_tensors
-        grad_y = grad_y.to(xs[0].dtype)
-        grad_weights = torch.stack(xs).reshape(len(xs), -1) @ grad_y.reshape(-1)
-        # Separate tensors (not views of one outer product) so each is freed once consumed.
-        grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(grad_y.dtype).unbind()))
-        return (grad_weights.to(weights.dtype), *grad_xs)
+        grad_y = grad_y.to(ctx.dtype)
+        stacked = torch.stack([x.to(ctx.dtype) for x in xs])
+        grad_weights = stacked.reshape(len(xs), -1) @ grad_y.reshape(-1)
+        # Separate tensors (not views of one outer product) so each is freed once consumed;
+        # autograd rounds the gradient of an input kept in a storage dtype to that dtype.
+        grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(ctx.dtype).unbind()))
+        return (grad_weights.to(weights.dtype), None, *grad_xs)
 
 
-def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
-    """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape)."""
-    return DepthWeightedAverage.apply(weights, *xs)
+def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
+                           storage_dtype: torch.dtype | None = None, diagonal: bool = False
+                           ) -> torch.Tensor:
+    """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape), in the
+    dtype of the last input. With a `storage_dtype`, each input is first rounded to it, as
+    the buffered DWA stores it, except the last when it is the `diagonal` term X_i."""
+    dtype = xs[-1].dtype
+    if storage_dtype is not None and storage_dtype != dtype:
+        live = xs[-1:] if diagonal else []
+        xs = [x.to(storage_dtype) for x in xs[:len(xs) - len(live)]] + live
+    return DepthWeightedAverage.apply(weights, dtype, *xs)
 
 
 # -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------
@@ -261,25 +305,29 @@ def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor]) -> tor
 class PrefillDWAState:
     """The X_j of a cached forward over many tokens (a prompt), each dropped as soon as the
     last DWA that reads it (`DWAPattern.last_reader`) has run, so that no block output is
-    kept longer than the pattern needs. `weights[i]`: alpha[i, j] for j in S_i, as floats."""
+    kept longer than the pattern needs. `weights[i]`: alpha[i, j] for j in S_i, as floats.
+    The X_j are kept in `storage_dtype` (None: as given), as training stores them."""
 
-    def __init__(self, pattern: DWAPattern, weights: Mapping[int, list[float]]):
-        self.pattern, self.weights = pattern, weights
+    def __init__(self, pattern: DWAPattern, weights: Mapping[int, list[float]],
+                 storage_dtype: torch.dtype | None = None):
+        self.pattern, self.weights, self.storage_dtype = pattern, weights, storage_dtype
         self.kept: dict[int, torch.Tensor] = {}
         self.peak = 0  # the most X_j held at once, for tests
 
     def keep(self, j: int, x: torch.Tensor) -> None:
         if j in self.pattern.slot:
-            self.kept[j] = x
+            self.kept[j] = x if self.storage_dtype is None else x.to(self.storage_dtype)
             self.peak = max(self.peak, len(self.kept))
 
-    def combine(self, i: int) -> torch.Tensor:
-        """Y_i, summed in place into a new tensor (no stacked copy of the X_j)."""
+    def combine(self, i: int, live: torch.Tensor) -> torch.Tensor:
+        """Y_i, summed in place into a new tensor (no stacked copy of the X_j); the diagonal
+        term takes `live`, X_i as the block gave it."""
         js = self.pattern.inputs[i]
-        with _stream_precision(self.kept[js[0]]):
-            y = self.kept[js[0]] * self.weights[i][0]
-            for j, w in zip(js[1:], self.weights[i][1:], strict=True):
-                y.add_(self.kept[j], alpha=w)
+        xs = [live if j == i else self.kept[j] for j in js]
+        with _stream_precision(live):
+            y = xs[0].to(live.dtype) * self.weights[i][0]
+            for x, w in zip(xs[1:], self.weights[i][1:], strict=True):
+                y.add_(x, alpha=w)  # in the stream's dtype, whatever x's
         for j in js:
             if self.pattern.last_reader[j] == i:
                 del self.kept[j]
@@ -290,12 +338,15 @@ class DecodeDWAState:
     """The DWA state of one decoding step: per residue class a buffer (n_r, B, 1, H) of the
     current tokens' X_j that later DWAs of the step read, in `DWAPattern.slot` order, written
     again every step; so it holds exactly `len(pattern.stored)` tensors of one token per
-    sequence. `weights[i]`: alpha[i, j] for j in S_i as a tensor, made once."""
+    sequence, in `storage_dtype` (None: `like`'s). `weights[i]`: alpha[i, j] for j in S_i
+    as a tensor, made once."""
 
     def __init__(self, pattern: DWAPattern, weights: Mapping[int, torch.Tensor],
-                 like: torch.Tensor):
+                 like: torch.Tensor, storage_dtype: torch.dtype | None = None):
         self.pattern = pattern
-        self.values = {r: like.new_empty((n, *like.shape)) for r, n in pattern.class_sizes.items()}
+        dtype = storage_dtype or like.dtype
+        self.values = {r: like.new_empty((n, *like.shape), dtype=dtype)
+                       for r, n in pattern.class_sizes.items()}
         self.weights = {i: w.to(like.dtype) for i, w in weights.items()}
 
     @property
@@ -311,10 +362,16 @@ class DecodeDWAState:
         if slot is not None:
             self.values[slot[0]][slot[1]].copy_(x)
 
-    def combine(self, i: int) -> torch.Tensor:
-        """Y_i: one matrix-vector product over the slice of its class."""
+    def combine(self, i: int, live: torch.Tensor) -> torch.Tensor:
+        """Y_i: one matrix-vector product over the slice of its class (the diagonal term
+        from `live` when the slice is stored in another dtype)."""
         r, start, stop = self.pattern.reads[i]
+        weights = self.weights[i]
+        narrow = self.values[r].dtype != live.dtype
+        if narrow:
+            stop, weights = stop - 1, weights[:-1]
         values = self.values[r][start:stop]
         with _stream_precision(values):
-            return torch.mv(values.reshape(stop - start, -1).t(), self.weights[i]).view(
-                values.shape[1:])
+            y = weighted_rows(values.reshape(stop - start, -1), weights, live.dtype)
+            y = y.view(values.shape[1:])
+            return y.add_(live * self.weights[i][-1]) if narrow else y
