@@ -81,14 +81,17 @@ class Precision:
     param: int  # model parameters (and their gradients)
     stream: int  # residual stream: X_j, Y_i, block inputs, LayerNorm inputs
     matmul: int  # matmul operands and outputs, attention, MLP activations
+    dwa: int | None = None  # the X_j the DWAs store (model.dwa_dtype); None: as `stream`
 
     @classmethod
-    def of(cls, dtype: str, zero_stage: int) -> "Precision":
+    def of(cls, dtype: str, zero_stage: int, dwa_dtype: str = "fp32") -> "Precision":
         if dtype == "fp32":
-            return cls(FP32, FP32, FP32)
-        if zero_stage > 0:  # DeepSpeed's bf16: the module itself is bf16
-            return cls(2, 2, 2)
-        return cls(FP32, FP32, 2)  # autocast
+            param, stream, matmul = FP32, FP32, FP32
+        elif zero_stage > 0:  # DeepSpeed's bf16: the module itself is bf16
+            param, stream, matmul = 2, 2, 2
+        else:  # autocast
+            param, stream, matmul = FP32, FP32, 2
+        return cls(param, stream, matmul, min(stream, 2) if dwa_dtype == "bf16" else stream)
 
 
 @dataclass
@@ -210,6 +213,12 @@ class ActivationShape:
         return self.tokens * self.hidden * self.precision.stream // self.seq_split
 
     @property
+    def stored_tensor(self) -> int:
+        """Bytes of one X_j as the DWA buffers store it (model.dwa_dtype)."""
+        dwa = self.precision.dwa or self.precision.stream
+        return self.tokens * self.hidden * dwa // self.seq_split
+
+    @property
     def block(self) -> int:
         """Bytes one non-checkpointed block keeps."""
         s, p = self.tokens * self.hidden, self.precision
@@ -256,7 +265,7 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
                      every: int) -> dict[str, int]:
     """Bytes of one micro-batch through the whole model (no PP), by term."""
     pattern = model.dwa_pattern
-    terms = {"dwa_buffers": len(pattern.stored) * shape.stream_tensor, "lm_head": shape.head}
+    terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
     if mode == "none":
         terms["blocks"] = model.n_layers * shape.block
@@ -295,7 +304,7 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
         # and the received X_j that a DWA here reads (copied into this stage's DWA buffers).
         stored = {j for j in blocks if j in plan.pattern.last_reader}
         stored |= {j for terms in plan.programs[s].dwa_reads().values() for j in terms}
-        per_micro += len(stored) * shape.stream_tensor
+        per_micro += len(stored) * shape.stored_tensor
         if s > 0:
             count = plan.counts[s - 1]
             per_micro += count[plan.transfer] * received
@@ -325,7 +334,7 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
         model = cfg.model  # its padded_vocab_size raises naming model.vocab_size if it is null
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
-    precision = Precision.of(resolved_dtype(cfg, device), p.zero_stage)
+    precision = Precision.of(resolved_dtype(cfg, device), p.zero_stage, model.dwa_dtype)
     shape = ActivationShape(
         micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,

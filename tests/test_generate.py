@@ -25,12 +25,12 @@ SHAPES = {
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [9, 1, 2, 3], [60]]
 
 
-def tiny_model(shape: str, seq_len: int = 40):
+def tiny_model(shape: str, seq_len: int = 40, dwa_dtype: str = "fp32"):
     from pretrain.model import DenseFormer, DenseFormerConfig
 
     config = DenseFormerConfig(d_model=32, n_heads=4, vocab_size=101, seq_len=seq_len,
                                init_std=0.3, dwa_init_offdiag=0.0 if shape == "transformer"
-                               else 0.3, **SHAPES[shape])
+                               else 0.3, dwa_dtype=dwa_dtype, **SHAPES[shape])
     return DenseFormer(config, seed=1).eval()
 
 
@@ -47,12 +47,13 @@ def test_cached_greedy_equals_full_forward_greedy(shape):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("shape", ["1x1", "4x5"])
-def test_cached_logits_match_the_training_forward(shape):
-    """A padded prefill then single-token steps give the training forward's logits."""
+@pytest.mark.parametrize("shape,dwa_dtype", [("1x1", "fp32"), ("4x5", "fp32"), ("1x1", "bf16")])
+def test_cached_logits_match_the_training_forward(shape, dwa_dtype):
+    """A padded prefill then single-token steps give the training forward's logits (with
+    bf16 DWA storage too: the cached DWA state rounds the X_j as training stores them)."""
     from pretrain.generation import _Batch
 
-    model = tiny_model(shape)
+    model = tiny_model(shape, dwa_dtype=dwa_dtype)
     tokens = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(0))
     lengths = [12, 9]  # row 1 is the last 9 tokens of its sequence, left-padded by 3
     full = [model(tokens[:1]), model(tokens[1:, 3:])]

@@ -89,6 +89,19 @@ def test_activation_estimate_matches_the_probe(name):
                       (name, mode, every))
 
 
+@pytest.mark.parametrize("mode,every", [("none", 1), ("dwa_block", 1), ("block", 2)])
+def test_bf16_dwa_storage_halves_the_buffers_in_estimate_and_probe(mode, every):
+    """model.dwa_dtype=bf16 (the stored X_j in bf16, the stream fp32): the estimate still
+    matches the probe, and its DWA-buffer term is half fp32 storage's."""
+    overrides = [*model_overrides("dense-1x1"), f"parallel.activation_checkpointing={mode}",
+                 f"parallel.checkpoint_every={every}"]
+    narrow = config(*overrides, "model.dwa_dtype=bf16")
+    assert_within(measured_activations(narrow), estimated(narrow).activation_bytes, mode,
+                  ("bf16 storage", mode, every))
+    wide_terms = estimated(config(*overrides)).activations
+    assert estimated(narrow).activations["dwa_buffers"] * 2 == wide_terms["dwa_buffers"]
+
+
 def test_checkpointing_modes_order_as_designed():
     """At the paper shape: dwa_block keeps the least, none the most; for a DenseFormer,
     block keeps every Y_i next to the X_j, dwa_block does not."""

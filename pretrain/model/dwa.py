@@ -193,8 +193,9 @@ class Combine(torch.autograd.Function):
             stop, weights = stop - 1, weights[:-1]
         values = buffers.values[r][start:stop]
         with _stream_precision(values):
-            y = weighted_rows(values.reshape(stop - start, -1), weights, weights.dtype)
-            y = y.view(values.shape[1:])
+            if stop == start:  # S_c is {c}
+                return live * ctx.diagonal
+            y = weighted_rows(values.flatten(1), weights, weights.dtype).view(values.shape[1:])
             return y if live is None else y.add_(live * ctx.diagonal)
 
     @staticmethod
@@ -208,15 +209,16 @@ class Combine(torch.autograd.Function):
 
 
 class ReadStored(torch.autograd.Function):
-    """A fresh copy of the buffered X_j (activation checkpointing reads a unit's input back);
-    its gradient joins X_j's in StoreOutput. `handle` orders autograd as in Combine."""
+    """A fresh copy of the buffered X_j, in the stream's dtype (activation checkpointing
+    reads a unit's input back); its gradient joins X_j's in StoreOutput. `handle` orders
+    autograd as in Combine."""
 
     @staticmethod
     def forward(ctx, buffers: DWABuffers, j: int, handle):
         r, position = buffers.layout.slot[j]
         ctx.buffers, ctx.j = buffers, j
         ctx.set_materialize_grads(False)
-        return buffers.values[r][position].clone()
+        return buffers.values[r][position].to(buffers.alpha.dtype, copy=True)  # stream dtype
 
     @staticmethod
     def backward(ctx, grad):
@@ -372,6 +374,7 @@ class DecodeDWAState:
             stop, weights = stop - 1, weights[:-1]
         values = self.values[r][start:stop]
         with _stream_precision(values):
-            y = weighted_rows(values.reshape(stop - start, -1), weights, live.dtype)
-            y = y.view(values.shape[1:])
+            if stop == start:  # S_i is {i}
+                return live * self.weights[i][-1]
+            y = weighted_rows(values.flatten(1), weights, live.dtype).view(values.shape[1:])
             return y.add_(live * self.weights[i][-1]) if narrow else y
