@@ -139,6 +139,7 @@ BAD_OVERRIDES = [
     ("train.on_nan=ignore", "train.on_nan"),
     ("train.device=tpu", "train.device"),
     ("model.dwa_window=2.5", "model.dwa_window"),
+    ("model.dwa_dtype=fp16", "model.dwa_dtype"),
 ]
 
 

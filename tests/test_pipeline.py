@@ -33,8 +33,10 @@ MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
     # on the last stage only, with no embedding-group reduction.
     "llama-1x1-untied": dict(n_layers=6, dwa_dilation=1, dwa_period=1, block="llama",
                              n_kv_heads=2, tie_embeddings=False),
+    # bf16 DWA storage: stages round the X_j they store (received or made) as one process.
+    "dense-2x1-bf16": dict(n_layers=6, dwa_dilation=2, dwa_period=1, dwa_dtype="bf16"),
 }
-LLAMA_KEYS = ("block", "n_kv_heads", "tie_embeddings")
+LLAMA_KEYS = ("block", "n_kv_heads", "tie_embeddings", "dwa_dtype")  # passed through
 
 
 # ---------------------------------------------------------------------------------------------
