@@ -97,3 +97,23 @@ def test_one_pass_model_backward_issues_two_products_per_stored_output(monkeypat
         counts[path] = counter.products
     # The rest of the backward (LM head, blocks) is the same on both paths.
     assert counts["chunked"] - counts["one_pass"] == stored * 2 * (chunks - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_on_cuda_equals_the_fp64_products(dtype):
+    """The path a GPU takes by default. From bf16 storage it is torch.mm's out_dtype overload,
+    which takes the alphas in bf16 too: those products are then exact to bf16 precision in
+    the weights (2^-9 relative), with fp32 sums."""
+    rows, weights, x, grad = (t.cuda() for t in inputs(7, 4099, dtype))
+    assert contraction_path(rows.device) == "one_pass"
+    got_x, got_w = stored_output_grads(rows, weights, x, grad)
+    got_y = weighted_rows(rows, weights, torch.float32)
+    assert got_x.dtype == got_w.dtype == got_y.dtype == torch.float32
+    wide = [t.double().cpu() for t in (rows, weights, x, grad)]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_x.double().cpu(), wide[0].t() @ wide[1] + wide[3],
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(got_w.double().cpu(), wide[0] @ wide[2], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got_y.double().cpu(), wide[0].t() @ wide[1], rtol=tol, atol=tol)
