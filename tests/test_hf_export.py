@@ -24,6 +24,7 @@ SHAPES = {
     "1x1": dict(n_layers=4),
     "4x5": dict(n_layers=10, dwa_dilation=4, dwa_period=5),
     "skip-gains": dict(n_layers=3, dwa=False, skip_gains=True),
+    "1x1-bf16-storage": dict(n_layers=4, dwa_dtype="bf16"),  # the export rounds as trained
 }
 
 
@@ -83,13 +84,16 @@ def test_exported_model_computes_the_trainers_logits(shape, bpe, tmp_path):
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
-    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    # bf16 storage: 1e-7 differences upstream flip the odd bf16 rounding (2e-4 at most
+    # here; ignoring the storage dtype would be 2e-3 off).
+    tol = dict(rtol=1e-4, atol=5e-4 if "bf16" in shape else 1e-5)
+    torch.testing.assert_close(theirs, ours, **tol)
     # Left padding with an attention mask: the real tokens' logits are the unpadded ones.
     mask = torch.ones_like(tokens)
     mask[1, :5] = 0
     with torch.no_grad():
         padded = hf(tokens, attention_mask=mask).logits[1, 5:]
-        torch.testing.assert_close(padded, model(tokens[1:, 5:])[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(padded, model(tokens[1:, 5:])[0], **tol)
 
 
 @pytest.mark.timeout(180)

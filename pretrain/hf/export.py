@@ -70,7 +70,7 @@ def hf_config(model_cfg, tokenizer):
         norm_eps=model_cfg.norm_eps, skip_gains=model_cfg.skip_gains, dwa_inputs=dwa_inputs,
         block=model_cfg.block, num_key_value_heads=model_cfg.kv_heads,
         intermediate_size=model_cfg.ffn_width, tie_embeddings=model_cfg.tie_embeddings,
-        use_cache=False, pad_token_id=tokenizer.eos_id, **special)
+        dwa_dtype=model_cfg.dwa_dtype, use_cache=False, pad_token_id=tokenizer.eos_id, **special)
     config.architectures = ["DenseFormerForCausalLM"]
     config.auto_map = {"AutoConfig": "modeling_denseformer.DenseFormerHFConfig",
                        "AutoModelForCausalLM": "modeling_denseformer.DenseFormerForCausalLM"}

@@ -34,7 +34,7 @@ class DenseFormerHFConfig(PretrainedConfig):
                  rope_theta: float = 10000.0, norm_eps: float = 1e-5, skip_gains: bool = False,
                  dwa_inputs: list | None = None, block: str = "gpt",
                  num_key_value_heads: int | None = None, intermediate_size: int | None = None,
-                 tie_embeddings: bool = True, **kwargs):
+                 tie_embeddings: bool = True, dwa_dtype: str = "fp32", **kwargs):
         self.block = block  # "gpt" (the paper's blocks) or "llama"
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.intermediate_size = intermediate_size  # llama: the SwiGLU width
@@ -47,6 +47,9 @@ class DenseFormerHFConfig(PretrainedConfig):
         self.skip_gains = skip_gains
         # dwa_inputs[i - 1]: the j of the X_j that the DWA after block i reads, or None
         self.dwa_inputs = dwa_inputs or [None] * num_hidden_layers
+        # "bf16": the DWAs read each X_j but their own block's rounded to bf16 (the trained
+        # model's model.dwa_dtype), summing in the stream's dtype
+        self.dwa_dtype = dwa_dtype
         # transformers' own tying stays off: a tied head reads the embedding weight directly.
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
@@ -208,6 +211,12 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
+    def _stored(self, xs: list[torch.Tensor], j: int, i: int) -> torch.Tensor:
+        """X_j as the DWA after block i reads it: its own block's live, the others as stored."""
+        if self.config.dwa_dtype != "bf16" or j == i:
+            return xs[j]
+        return xs[j].to(torch.bfloat16).to(xs[j].dtype)
+
     def _trunk(self) -> tuple[nn.Embedding, nn.ModuleList, nn.Module]:
         """(embedding, blocks, final norm), under either block's names."""
         if self.config.block == "llama":
@@ -237,7 +246,8 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
         for i, block in enumerate(blocks, start=1):
             xs.append(block(y, positions, mask))
             js = self.config.dwa_inputs[i - 1]
-            y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * xs[j] for j in js)
+            y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * self._stored(xs, j, i)
+                                             for j in js)
         head = embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(final_norm(y), head)[..., :self.config.vocab_size]
         loss = None
