@@ -81,7 +81,7 @@ def device_equivalence(device: torch.device) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         cfg = load("dense-1x1", CPU_SHAPES, "model.d_model=128", "model.seq_len=64")
-        model, _ = build(cfg, device)
+        model = build(cfg, device)
         # Two Adam steps move the alphas off their identity init (inside the DWA pattern:
         # the other entries get no gradient), so that every DWA really mixes.
         adam = torch.optim.Adam(model.parameters(), lr=1e-2)
