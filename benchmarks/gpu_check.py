@@ -52,12 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # on the GPU machine the repository is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-import gpu_check_perf as perf  # noqa: E402
-import torch  # noqa: E402
-from gpu_check_dwa import section_dwa_alone, section_dwa_steps  # noqa: E402
-from gpu_check_tests import section_tests  # noqa: E402
-from gpu_check_transformer import section_profile, section_transformer  # noqa: E402
-
 PARTS = {"dwa": ("dwa_steps", "dwa_alone"), "transformer": ("transformer", "profile", "compile"),
          "memory": ("memory",), "tests": ("tests",)}
 # Top-level modules the bare GPU machine has (its packages and what they pull in), those
@@ -76,7 +70,7 @@ WHEEL_MODULES = {"megatron", "wids", "webdataset", "braceexpand", "pytest_timeou
 GUARDED_MODULES = {"einops", "dill", "colorama"}
 OWN_MODULES = {"pretrain", "parallel", "data_pipeline", "slurm", "tests", "gpu_check_perf",
                "gpu_check_tests", "gpu_check_timing", "gpu_check_dwa", "gpu_check_transformer",
-               "nanogpt_anchor", "denseformer", "sitecustomize", "usercustomize"}
+               "nanogpt_anchor", "bench_model", "denseformer", "sitecustomize", "usercustomize"}
 # (and Python's site hooks; `denseformer` is the official code given with --official)
 # What must never be imported on these paths: neither is on the GPU machine.
 FORBIDDEN_MODULES = ("deepspeed", "mlflow")
@@ -108,9 +102,11 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def environment(device: torch.device) -> dict:
-    """Versions, device and commit: what a figure needs to be quoted."""
+def environment(device) -> dict:
+    """Versions, device (a torch.device) and commit: what a figure needs to be quoted."""
     from importlib import metadata
+
+    import torch
 
     def version(dist: str) -> str | None:
         try:
@@ -205,6 +201,8 @@ def run_section(report: Report, part: str, name: str, fn, deadline: float) -> No
             result = {"status": "error", "error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-4000:]}
             traceback.print_exc()
+    import torch
+
     gc.collect()  # the section's models: a 378M model with AdamW state is 6 GB
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -246,7 +244,13 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before torch is imported: a usage error answers at once
+    import gpu_check_perf as perf
+    import torch
+    from gpu_check_dwa import section_dwa_alone, section_dwa_steps
+    from gpu_check_tests import section_tests
+    from gpu_check_transformer import section_profile, section_transformer
+
     if not args.cpu and not torch.cuda.is_available():
         print("error: no CUDA device visible to torch (pass --cpu to run the CPU fallback)",
               file=sys.stderr)

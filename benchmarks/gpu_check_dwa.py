@@ -140,20 +140,10 @@ def section_dwa_steps(device: torch.device, shapes: Shapes, fused: bool, officia
             "rows": figures, "goals": goals}
 
 
-class Scale(nn.Module):
-    """A stand-in block: y * gain (the DWAs alone)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gain = nn.Parameter(torch.tensor(0.999))
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return y * self.gain
-
-
 def section_dwa_alone(device: torch.device, shapes: Shapes, official_cls, keep: dict) -> dict:
     """The DWAs alone against their byte floor (module docstring); reuses `keep`'s models
     (dwa_steps') where it has them."""
+    from bench_model import Scale  # the stand-in block of bench_model's DWA-alone rows
     from nanogpt_anchor import AnchorGPT
 
     from pretrain.evaluate import autocast_for
