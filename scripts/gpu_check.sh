@@ -68,8 +68,8 @@ PY
     fi
     export GPU_CHECK_SITE=$site
     echo "[gpu_check.sh] running on $py (via $GPU_CHECK_VIA)"
-elif ! "$py" -c 'import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in ("megatron.core", "wids", "webdataset")))'; then
+elif ! "$py" -c 'import importlib.util as u, sys  # without importing them (torch: seconds)
+sys.exit(any(u.find_spec(m) is None for m in ("megatron", "wids", "webdataset")))'; then
     echo "[gpu_check.sh] warning: $py lacks megatron-core, wids or webdataset and there is" \
         "no $wheel_dir/*.whl: run scripts/gpu_wheels.sh first and carry .whl"
 fi
