@@ -77,7 +77,10 @@ def profile_step(trainee: Trainee, device: torch.device, name: str, out: Path) -
         trainee.step()
         sync(device)
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # Device events are kernels, memcpys and memsets, and the GPU spans of user annotations
+    # (e.g. Optimizer.step), which cover kernels already counted: those are left out.
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     kind = "kernels" if kernels else "ops"
     ranked = sorted(kernels or events, key=lambda e: _self_time_us(e, device), reverse=True)
     sort_by = "self_cpu_time_total" if device.type != "cuda" else (
