@@ -15,44 +15,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gpu_check_perf as perf
 import torch
-from gpu_check_perf import (
-    Shapes,
-    Trainee,
-    anchor,
-    goal_reason,
-    load,
-    ours,
-    peak_flops,
-    timed_rows,
-    timing_header,
-)
 from gpu_check_timing import ratio_ci, sync, verdict
 
 ANCHOR_GOAL = 1.00  # our tokens/s over anchor-rope's (issue 31)
 TOP_KERNELS = 15
 
 
-def trainees(device: torch.device, shapes: Shapes, fused: bool) -> dict:
+def trainees(device: torch.device, shapes: perf.Shapes, fused: bool) -> dict:
     """{name: builder of its Trainee}: ours and the two anchors, at the paper Transformer."""
-    cfg = load("transformer", shapes)
-    return {"transformer": lambda: ours(cfg, device, shapes, fused),
-            "anchor-rope": lambda: anchor(cfg, device, shapes, fused, rope=True),
-            "anchor": lambda: anchor(cfg, device, shapes, fused)}
+    cfg = perf.load("transformer", shapes)
+    return {"transformer": lambda: perf.ours(cfg, device, shapes, fused),
+            "anchor-rope": lambda: perf.anchor(cfg, device, shapes, fused, rope=True),
+            "anchor": lambda: perf.anchor(cfg, device, shapes, fused)}
 
 
-def section_transformer(device: torch.device, shapes: Shapes, fused: bool) -> dict:
+def section_transformer(device: torch.device, shapes: perf.Shapes, fused: bool) -> dict:
     """Step figures of the three and our tokens/s over each anchor's (module docstring)."""
     built = {name: make() for name, make in trainees(device, shapes, fused).items()}
-    peak = peak_flops(device, shapes.dtype)
-    figures, times = timed_rows(built, device, shapes, peak)
+    peak = perf.peak_flops(device, shapes.dtype)
+    figures, times = perf.timed_rows(built, device, shapes, peak)
     for name in ("anchor-rope", "anchor"):
         figures["transformer"][f"tokens_per_s_vs_{name}"] = ratio_ci(times[name],
                                                                      times["transformer"])
     goal = {"measure": "our Transformer's tokens/s / anchor-rope's", "row": "transformer",
             **verdict(figures["transformer"]["tokens_per_s_vs_anchor-rope"], ANCHOR_GOAL,
-                      ">=", goal_reason(device, shapes))}
-    return {**timing_header(device, shapes, fused), "peak": peak, "rows": figures,
+                      ">=", perf.goal_reason(device, shapes))}
+    return {**perf.timing_header(device, shapes, fused), "peak": peak, "rows": figures,
             "goals": [goal]}
 
 
@@ -63,7 +53,7 @@ def _self_time_us(event, device: torch.device) -> float:
     return event.self_cpu_time_total
 
 
-def profile_step(trainee: Trainee, device: torch.device, name: str, out: Path) -> dict:
+def profile_step(trainee: perf.Trainee, device: torch.device, name: str, out: Path) -> dict:
     """Top kernels (or CPU ops) of one profiled step of `trainee` (module docstring)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -96,7 +86,7 @@ def profile_step(trainee: Trainee, device: torch.device, name: str, out: Path) -
             "table": f"profile_{name}.txt"}
 
 
-def section_profile(device: torch.device, shapes: Shapes, fused: bool, out: Path) -> dict:
+def section_profile(device: torch.device, shapes: perf.Shapes, fused: bool, out: Path) -> dict:
     """One profiled step of each of the three, built one at a time."""
     result = {}
     for name, make in trainees(device, shapes, fused).items():
