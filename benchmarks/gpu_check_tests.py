@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# On the CPU the suite's subset is cut to two quick tests: CI runs the full files anyway.
-CPU_PYTEST_FILTER = "identity_init or api_shapes"
+# On the CPU the suite's subset is cut to three quick tests (CI runs the full files anyway),
+# one of them a CLI subprocess whose PYTHONPATH is reset (tests/conftest.py cli_env): the
+# kind that could not import the carried wheels on the first GPU run.
+CPU_PYTEST_FILTER = "identity_init or api_shapes or (invalid_config and n_heads)"
 
 
 def child_env() -> dict:

@@ -6,7 +6,7 @@
 # tree; $GPU_CHECK_WHEELS names another folder) into a scratch folder, without an index or
 # dependencies, and makes them importable by every process of the check (a scratch venv, see
 # below), then runs benchmarks/gpu_check.py, which writes OUT_DIR/gpu_check.json after every
-# section. Without wheels (CI, the dev box: .venv has the packages) it runs $py as it is.
+# section. A Python that has the packages (CI, the dev box: .venv) runs as it is.
 # Everything printed also goes to OUT_DIR/gpu_check.log. docs/benchmarks.md#gpu-check.
 set -euo pipefail
 if [[ $# -lt 1 || $1 == -* ]]; then
@@ -31,9 +31,18 @@ fi
 echo "[gpu_check.sh] $(date -u +%FT%TZ) python $py ($("$py" -V 2>&1))"
 
 shopt -s nullglob
+# Without importing them (torch takes seconds): does $py have the packages of the wheels?
+has_packages() {
+    "$py" -c 'import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ("megatron", "wids", "webdataset")))'
+}
 wheel_dir=${GPU_CHECK_WHEELS:-$root/.whl}
 wheels=("$wheel_dir"/*.whl)
-if ((${#wheels[@]})); then
+# The wheels are for the GPU machine's Python (3.12): used where $py lacks the packages, or
+# where GPU_CHECK_WHEELS names them.
+if [[ -z ${GPU_CHECK_WHEELS:-} ]] && has_packages; then
+    echo "[gpu_check.sh] $py has megatron-core, wids and webdataset: no wheels needed"
+elif ((${#wheels[@]})); then
     scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-env.XXXXXX")
     trap 'rm -rf "$scratch"' EXIT
     site=$scratch/wheels
@@ -68,8 +77,7 @@ PY
     fi
     export GPU_CHECK_SITE=$site
     echo "[gpu_check.sh] running on $py (via $GPU_CHECK_VIA)"
-elif ! "$py" -c 'import importlib.util as u, sys  # without importing them (torch: seconds)
-sys.exit(any(u.find_spec(m) is None for m in ("megatron", "wids", "webdataset")))'; then
+else
     echo "[gpu_check.sh] warning: $py lacks megatron-core, wids or webdataset and there is" \
         "no $wheel_dir/*.whl: run scripts/gpu_wheels.sh first and carry .whl"
 fi

@@ -184,7 +184,9 @@ def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_en
 
     tests = sections["tests"]
     assert tests["problems"] == [], json.dumps(tests)[:3000]
-    assert tests["pytest"]["tests"] >= 2 and tests["pytest"]["failures"] == 0
+    assert tests["pytest"]["tests"] >= 3 and tests["pytest"]["failures"] == 0
+    # ...a CLI subprocess among them, whose PYTHONPATH is reset (tests/conftest.py cli_env)
+    assert "test_invalid_config_exits_2_naming_the_key" in (out / "pytest.xml").read_text()
     for name, v in tests["equivalence"]["variants"].items():
         assert v["loss_abs_diff"] < (0.05 if name == "bf16_autocast" else 1e-5), name
         assert v.get("max_rel_grad_diff", 0) < 1e-5, name
