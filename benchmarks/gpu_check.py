@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     fused = perf.fused_adamw_supported(device)
     report.doc["environment"] = {**environment(device), "fused_adamw": fused,
                                  "official": args.official}
-    report.doc["carried"] = carried_imports()
+    report.doc["carried"] = carried = carried_imports()
+    if carried is not None and not carried["all_from_site"]:
+        print(f"[gpu_check] warning: a child process with PYTHONPATH reset does not import "
+              f"every carried module from {carried['site']}: {carried['modules']}", flush=True)
     report.doc["parts"] = [p for p in PARTS if p in args.parts]
     report.write()
 
