@@ -1,36 +1,43 @@
 """The GPU check: one call on a borrowed GPU measures what the CPU box cannot.
 
-    python benchmarks/gpu_check.py --out OUT [--cpu] [--sections speed,memory,compile,tests]
+    python benchmarks/gpu_check.py --out OUT [--cpu] [--only dwa,transformer,memory,tests]
+                                   [--official PATH] [--budget-s S]
 
-(`scripts/gpu_check.sh OUT [--cpu]` installs the wheels of `scripts/gpu_wheels.sh` first and
-runs this.) Sections, in this order (the figures no CPU can give first, the tests last, cut to
-the time left):
+(`scripts/gpu_check.sh OUT [options]` makes the carried wheels importable first and runs
+this.) Four parts, each sized to run in under 4 minutes on an H200, compile included; `--only`
+picks some (a comma list), in this order:
 
-- speed: 48 x 768 paper-shape Transformer, DenseFormer 4x5 and 1x1, bf16 autocast on
-  synthetic tokens, interleaved rounds: s/step, tokens/s, MFU against the device's spec peak
-  (pretrain/mfu.py's datasheet table; the measured matmul peak for an unknown device), ratios to
-  the Transformer.
-- memory: parallel.memory's activation estimate against torch.cuda.max_memory_allocated for
-  `block` and `dwa_block` activation checkpointing (bf16 and fp32).
-- compile: torch.compile on every block against eager for one configuration.
-- tests: the model's equivalences on the device (buffered and functional DWA, checkpointing
-  modes, bf16 against fp32), a real `python -m pretrain train` run on the device with
-  tracking off (loss, checkpoint, stop and resume, bitwise or not), then `pytest -m gpu` (the
-  model and single-process trainer tests that need neither MLflow nor DeepSpeed nor a second
-  GPU) in whatever remains of the time budget.
+- dwa (gpu_check_dwa.py): sections dwa_steps (our DenseFormer 1x1, 4x1, 4x5 with
+  `model.dwa_dtype` fp32 and bf16 against our Transformer; the official DWA, or the
+  clean-room ReferenceDWA, inside the nanoGPT-style anchor) and dwa_alone (the DWAs against
+  their byte floor at the measured copy bandwidth);
+- transformer (gpu_check_transformer.py, gpu_check_perf.py): sections transformer (ours
+  against `anchor-rope` and the learned-position anchor: tokens/s, MFU), profile (the top 15
+  kernels of one step of each) and compile (eager against every block compiled);
+- memory: parallel.memory's activation estimate against torch.cuda.max_memory_allocated;
+- tests (gpu_check_tests.py): the model's equivalences on the device, a real `python -m
+  pretrain train` run with stop and resume, then `pytest -m gpu` in the time left.
+
+All at the paper shape (48 x 768, seq 256, vocabulary 50304), micro-batch 32, bf16 autocast,
+fused AdamW, synthetic tokens. Timing, intervals and goals: gpu_check_timing.py (CUDA events;
+60 steps of each configuration in 12 interleaved rounds; each ratio the median of per-round
+ratios with a distribution-free 95% interval; a goal met only when the interval clears it).
 
 OUT/gpu_check.json is rewritten after every section, so a run cut off by its time limit
-still returns what it measured; each section carries "status" ("ok", "error" with the
-traceback's tail, or "skipped" when the time budget ran out before it started). `--cpu` runs
-the same sections on the CPU at tiny shapes (fp32) in about a minute: that is what CI
-tests (tests/test_gpu_check.py). Nothing here downloads, tracks to MLflow or uses DeepSpeed;
-"imports" lists the third-party modules this process imported and any that the bare GPU
-machine lacks.
+still returns what it measured; each section carries its part and "status" ("ok", "error"
+with the traceback's tail, or "skipped" when its part's time budget ran out before it
+started); "goals" gathers every goal's verdict. `--cpu` runs the same parts on the CPU at
+tiny shapes (fp32, 6 rounds of one step) in a few minutes: that is what CI tests
+(tests/test_gpu_check.py); its timings and goals mean nothing. Nothing here downloads, tracks
+to MLflow or uses DeepSpeed; "imports" lists the third-party modules this process imported and
+any that the bare GPU machine lacks, and "carried" whether a child process whose PYTHONPATH is
+reset (as the test suite's CLI subprocesses do) imports every module of the carried wheels.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -45,11 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # on the GPU machine the repository is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-import gpu_check_perf as perf  # noqa: E402
-import torch  # noqa: E402
-from gpu_check_tests import section_tests  # noqa: E402
-
-SECTIONS = ("speed", "memory", "compile", "tests")
+PARTS = {"dwa": ("dwa_steps", "dwa_alone"), "transformer": ("transformer", "profile", "compile"),
+         "memory": ("memory",), "tests": ("tests",)}
 # Top-level modules the bare GPU machine has (its packages and what they pull in), those
 # scripts/gpu_wheels.sh brings, and those only tried behind a guard, imported where they are
 # installed and skipped where not (megatron: einops; torch: dill, and colorama in inductor;
@@ -65,7 +69,9 @@ DEVICE_MODULES = {
 WHEEL_MODULES = {"megatron", "wids", "webdataset", "braceexpand", "pytest_timeout"}
 GUARDED_MODULES = {"einops", "dill", "colorama"}
 OWN_MODULES = {"pretrain", "parallel", "data_pipeline", "slurm", "tests", "gpu_check_perf",
-               "gpu_check_tests", "sitecustomize", "usercustomize"}  # and Python's site hooks
+               "gpu_check_tests", "gpu_check_timing", "gpu_check_dwa", "gpu_check_transformer",
+               "nanogpt_anchor", "bench_model", "denseformer", "sitecustomize", "usercustomize"}
+# (and Python's site hooks; `denseformer` is the official code given with --official)
 # What must never be imported on these paths: neither is on the GPU machine.
 FORBIDDEN_MODULES = ("deepspeed", "mlflow")
 
@@ -96,9 +102,11 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def environment(device: torch.device) -> dict:
-    """Versions, device and commit: what a figure needs to be quoted."""
+def environment(device) -> dict:
+    """Versions, device (a torch.device) and commit: what a figure needs to be quoted."""
     from importlib import metadata
+
+    import torch
 
     def version(dist: str) -> str | None:
         try:
@@ -113,8 +121,10 @@ def environment(device: torch.device) -> dict:
            "torch_cuda": torch.version.cuda, "megatron_core": version("megatron-core"),
            "wids": version("wids"), "webdataset": version("webdataset"),
            "host": platform.node(), "cpu_count": os.cpu_count(), "device": str(device),
-           # The device gets a copy of the working tree without .git: the caller names it.
-           "commit": _git("rev-parse", "--short", "HEAD") or os.environ.get("GPU_CHECK_COMMIT"),
+           # The device gets a copy of the working tree without .git (and any .git above it
+           # is not ours): the caller names the commit, and that wins.
+           "commit": os.environ.get("GPU_CHECK_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+           "commit_source": "GPU_CHECK_COMMIT" if os.environ.get("GPU_CHECK_COMMIT") else "git",
            "triton": version("triton"),
            "c_compiler": shutil.which("cc") or shutil.which("gcc"),  # Triton builds with it
            "uncommitted_files": None if status is None else len(status.splitlines())}
@@ -126,15 +136,49 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def carried_imports() -> dict | None:
+    """Whether a child process, its PYTHONPATH reset to the repository alone (as
+    tests/conftest.py's cli_env does), imports every top-level module of the wheels that
+    scripts/gpu_check.sh installed into $GPU_CHECK_SITE, and from where; None without it."""
+    site = os.environ.get("GPU_CHECK_SITE")
+    if not site:
+        return None
+    # Packages (namespace ones too, like megatron) and modules; not dist-info, bin, caches.
+    names = sorted(p.stem for p in Path(site).iterdir() if p.stem.isidentifier()
+                   and not p.name.startswith("_") and p.name != "bin"
+                   and (p.is_dir() or p.suffix == ".py"))
+    probe = ("import importlib, json, sys\nfound = {}\nfor name in sys.argv[1:]:\n"
+             "    try:\n        m = importlib.import_module(name)\n"
+             "        found[name] = m.__file__ or list(m.__path__)[0]\n"
+             "    except Exception as err:\n        found[name] = repr(err)\n"
+             "print(json.dumps(found))")
+    done = subprocess.run([sys.executable, "-c", probe, *names], cwd=ROOT, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True)
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        found = dict.fromkeys(names, f"probe failed: {done.stderr[-500:]}")
+    site_dir = str(Path(site).resolve())
+    modules = {n: {"file": f, "from_site": str(Path(f).resolve()).startswith(site_dir)
+                   if f and os.path.isabs(f) else False} for n, f in found.items()}
+    return {"site": site, "python": sys.executable, "via": os.environ.get("GPU_CHECK_VIA"),
+            "child_env": "PYTHONPATH reset to the repository alone", "modules": modules,
+            "all_from_site": all(m["from_site"] for m in modules.values())}
+
+
 class Report:
     """The JSON document, rewritten atomically after every section."""
 
     def __init__(self, out: Path, mode: str):
         self.path = out / "gpu_check.json"
-        self.doc = {"schema": 1, "mode": mode, "started": _now(), "finished": None,
-                    "sections": {}}
+        self.doc = {"schema": 2, "mode": mode, "started": _now(), "finished": None,
+                    "sections": {}, "goals": []}
 
     def write(self) -> None:
+        self.doc["goals"] = [{"section": name, **goal}
+                             for name, section in self.doc["sections"].items()
+                             for goal in section.get("goals", [])]
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
         os.replace(tmp, self.path)
@@ -144,39 +188,69 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def run_section(report: Report, name: str, fn, deadline: float) -> None:
+def run_section(report: Report, part: str, name: str, fn, deadline: float) -> None:
     """Run one section into report.doc["sections"][name], then write the document."""
     start = time.monotonic()
     if start > deadline:
-        result = {"status": "skipped", "reason": "the time budget (--budget-s) ran out"}
+        result = {"status": "skipped", "reason": "the part's time budget (--budget-s) ran out"}
     else:
-        print(f"[gpu_check] {name} ...", flush=True)
+        print(f"[gpu_check] {part}/{name} ...", flush=True)
         try:
             result = {"status": "ok", **fn()}
         except Exception as err:  # one broken section must not lose the others' figures
             result = {"status": "error", "error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-4000:]}
             traceback.print_exc()
-    result["seconds"] = time.monotonic() - start
+    import torch
+
+    gc.collect()  # the section's models: a 378M model with AdamW state is 6 GB
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    result = {"part": part, **result, "seconds": time.monotonic() - start}
     report.doc["sections"][name] = result
     report.write()
-    print(f"[gpu_check] {name}: {result['status']} in {result['seconds']:.1f} s", flush=True)
+    print(f"[gpu_check] {part}/{name}: {result['status']} in {result['seconds']:.1f} s",
+          flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--only", default=",".join(PARTS),
+                        help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
+    parser.add_argument("--official", metavar="PATH",
+                        help="a checkout of epfml/DenseFormer (the directory holding "
+                             "denseformer/): its DWAModules in the anchor instead of the "
+                             "clean-room ReferenceDWA")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no section after this many seconds (default 270 on a "
-                             "GPU, 150 with --cpu)")
+                        help="start no section of a part after this many seconds into the "
+                             "part (default 220 on a GPU, 120 with --cpu)")
     args = parser.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
-    unknown = sorted(set(sections) - set(SECTIONS))
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
+    args.parts = [p for p in args.only.split(",") if p]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        parser.error(f"--only: unknown part(s) {unknown or args.only!r}; choose from "
+                     f"{','.join(PARTS)}")
+    args.official_cls = None
+    if args.official:
+        from nanogpt_anchor import official_dwa_class
+
+        try:
+            args.official_cls = official_dwa_class(str(Path(args.official).resolve()))
+        except ValueError as err:
+            parser.error(f"--official: {err}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # before torch is imported: a usage error answers at once
+    import gpu_check_perf as perf
+    import torch
+    from gpu_check_dwa import section_dwa_alone, section_dwa_steps
+    from gpu_check_tests import section_tests
+    from gpu_check_transformer import section_profile, section_transformer
+
     if not args.cpu and not torch.cuda.is_available():
         print("error: no CUDA device visible to torch (pass --cpu to run the CPU fallback)",
               file=sys.stderr)
@@ -185,32 +259,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:  # on a shared CPU box a descheduled OpenMP thread stalls a step for seconds
         torch.set_num_threads(1)
     shapes = perf.CPU_SHAPES if args.cpu else perf.GPU_SHAPES
-    budget = args.budget_s if args.budget_s is not None else (150.0 if args.cpu else 270.0)
-    deadline = time.monotonic() + budget
+    budget = args.budget_s if args.budget_s is not None else (120.0 if args.cpu else 220.0)
     args.out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     report = Report(args.out, device.type)
-    report.doc["environment"] = environment(device)
+    fused = perf.fused_adamw_supported(device)
+    report.doc["environment"] = {**environment(device), "fused_adamw": fused,
+                                 "official": args.official}
+    report.doc["carried"] = carried = carried_imports()
+    if carried is not None and not carried["all_from_site"]:
+        print(f"[gpu_check] warning: a child process with PYTHONPATH reset does not import "
+              f"every carried module from {carried['site']}: {carried['modules']}", flush=True)
+    report.doc["parts"] = [p for p in PARTS if p in args.parts]
     report.write()
 
-    models: dict = {}  # shared by speed and memory: building a 378M model takes seconds
-    work = {"speed": lambda: perf.section_speed(device, shapes, models),
-            "memory": lambda: perf.section_memory(device, shapes, models),
-            "tests": lambda: section_tests(device, args.out, deadline),
-            "compile": lambda: perf.section_compile(device, shapes)}
-    for name in SECTIONS:
-        if name in sections:
-            run_section(report, name, work[name], deadline)
-            if name == "memory":
-                models.clear()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    keep: dict = {}  # the dwa part's models, from dwa_steps to dwa_alone
+    work = {"dwa_steps": lambda: section_dwa_steps(device, shapes, fused, args.official_cls,
+                                                   keep),
+            "dwa_alone": lambda: section_dwa_alone(device, shapes, args.official_cls, keep),
+            "transformer": lambda: section_transformer(device, shapes, fused),
+            "profile": lambda: section_profile(device, shapes, fused, args.out),
+            "compile": lambda: perf.section_compile(device, shapes, fused),
+            "memory": lambda: perf.section_memory(device, shapes),
+            "tests": lambda: section_tests(device, args.out, deadline)}
+    for part in report.doc["parts"]:
+        deadline = time.monotonic() + budget
+        for name in PARTS[part]:
+            run_section(report, part, name, work[name], deadline)
+        keep.clear()
     report.doc["imports"] = imports_report()
     report.doc["finished"] = _now()
     report.write()
     failed = [n for n, s in report.doc["sections"].items() if s["status"] == "error"]
     print(f"[gpu_check] wrote {report.path}; sections with errors: {failed or 'none'}")
+    for goal in report.doc["goals"]:
+        print(f"[gpu_check] goal {goal['measure']} {goal['goal']}: median "
+              f"{goal.get('median')} [{goal.get('low')}, {goal.get('high')}] met "
+              f"{goal['met']}", flush=True)
     return 1 if failed else 0
 
 

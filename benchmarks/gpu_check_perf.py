@@ -1,28 +1,34 @@
-"""Sections of the GPU check that measure: step time and MFU, memory, compile on vs off.
+"""What the GPU check's timed sections share: shapes, models, the train step, MFU; and the
+memory and compile sections.
 
-Used by benchmarks/gpu_check.py (which documents the JSON it writes). Every model comes from
-a paper config (configs/paper/) through `pretrain.config.load_config`, with `--set`-style
-overrides for the tiny CPU shapes, so a change of the model's config keys shows up here as a
-config error, not as a silently different model.
+Every model of ours comes from a paper config (configs/paper/) through
+`pretrain.config.load_config`, with `--set`-style overrides for the tiny CPU shapes, so a change
+of the model's config keys shows up here as a config error, not as a silently different model.
+Every configuration trains with torch's fused AdamW where this torch supports it on the device
+(the JSON says whether), over `pretrain.optim.param_groups`, the paper's hyper-parameters.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gpu_check_timing import INTERVAL, interleaved, ratio_ci, sync, timer_name
+from torch import nn
 
 from pretrain.mfu import spec_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 
-VARIANTS = {  # name -> paper config
+PAPER = {  # name -> paper config
     "transformer": "configs/paper/transformer-48.yaml",
-    "dense-4x5": "configs/paper/dense-48-4x5.yaml",
     "dense-1x1": "configs/paper/dense-48-1x1.yaml",
+    "dense-4x1": "configs/paper/dense-48-4x1.yaml",
+    "dense-4x5": "configs/paper/dense-48-4x5.yaml",
 }
 
 
@@ -32,37 +38,63 @@ class Shapes:
 
     overrides: tuple[str, ...]  # applied to every paper config
     batch: int  # sequences per timed step (one micro-batch)
-    warmup_steps: int
-    rounds: int  # interleaved rounds; each runs steps_per_round steps of every variant
+    warmup_steps: int  # untimed steps of each configuration before the rounds
+    rounds: int  # interleaved rounds (>= 6 for a 95% interval of a median)
     steps_per_round: int
     memory_batch: int  # micro-batch of the memory section
-    compile_steps: int  # timed steps per round in the compile section
+    copy_bytes: int  # the copy that measures the memory bandwidth
     dtype: torch.dtype
 
 
-GPU_SHAPES = Shapes(overrides=(), batch=32, warmup_steps=3, rounds=6, steps_per_round=5,
-                    memory_batch=8, compile_steps=5, dtype=torch.bfloat16)
+# 12 rounds x 5 steps: 60 timed steps of each configuration.
+GPU_SHAPES = Shapes(overrides=(), batch=32, warmup_steps=3, rounds=12, steps_per_round=5,
+                    memory_batch=8, copy_bytes=1 << 30, dtype=torch.bfloat16)
 # 10 blocks so that the 4x5 model has two DWAs; fp32, as CPU bf16 matmuls are far slower.
 CPU_SHAPES = Shapes(overrides=("model.n_layers=10", "model.d_model=64", "model.n_heads=4",
                                "model.vocab_size=512", "model.seq_len=32"),
-                    batch=4, warmup_steps=1, rounds=3, steps_per_round=2, memory_batch=2,
-                    compile_steps=2, dtype=torch.float32)
+                    batch=4, warmup_steps=1, rounds=6, steps_per_round=1, memory_batch=2,
+                    copy_bytes=64 << 20, dtype=torch.float32)
 
 
 def load(variant: str, shapes: Shapes, *extra: str):
     """The pretrain.config.Config of a paper variant at the check's shape."""
     from pretrain.config import load_config
 
-    return load_config(ROOT / VARIANTS[variant], [*shapes.overrides, *extra], world_size=1)
+    return load_config(ROOT / PAPER[variant], [*shapes.overrides, *extra], world_size=1)
 
 
-def build(cfg, device: torch.device):
-    """(model, optimizer) as the trainer builds them for one process."""
+def goal_reason(device: torch.device, shapes: Shapes) -> str | None:
+    """Why the issues' goals cannot be judged from this run, or None when they can."""
+    if device.type != "cuda" or shapes != GPU_SHAPES:
+        return "the goals are for a GPU at the paper shape; this run is not"
+    return None
+
+
+def fused_adamw_supported(device: torch.device) -> bool:
+    """Whether this torch runs torch.optim.AdamW(fused=True) on `device` (one tiny step)."""
+    p = nn.Parameter(torch.ones(2, device=device))
+    p.grad = torch.ones_like(p)
+    try:
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def adamw(model: nn.Module, optim_cfg, fused: bool) -> torch.optim.AdamW:
+    """AdamW over pretrain.optim's weight-decay groups, the config's hyper-parameters."""
+    from pretrain.optim import param_groups
+
+    groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_alphas)
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                             eps=optim_cfg.eps, fused=fused)
+
+
+def build(cfg, device: torch.device) -> nn.Module:
+    """Our model of `cfg` as the trainer builds it for one process."""
     from pretrain.model import DenseFormer
-    from pretrain.optim import build_optimizer
 
-    model = DenseFormer(cfg.model, seed=cfg.train.seed).to(device)
-    return model, build_optimizer(model, cfg.optim)
+    return DenseFormer(cfg.model, seed=cfg.train.seed).to(device)
 
 
 def synthetic_batch(cfg, batch: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -72,31 +104,57 @@ def synthetic_batch(cfg, batch: int, device: torch.device, seed: int = 0) -> tor
                          generator=gen).to(device)
 
 
-def train_step(model, optimizer, batch: torch.Tensor, dtype: torch.dtype, clip: float) -> float:
-    """Forward, backward, clip, AdamW: one step as the trainer runs it (one micro-batch)."""
-    from pretrain.evaluate import autocast_for
+@dataclass
+class Trainee:
+    """One timed configuration: a model, its AdamW, its loss on a fixed batch, and what one
+    step means (tokens, model FLOPs per token, dtype, clip)."""
 
-    with autocast_for(batch.device, dtype):
-        loss = model.loss(batch[:, :-1], batch[:, 1:])
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: Callable[[], torch.Tensor]
+    flops_per_token: float
+    tokens: int
+    dtype: torch.dtype
+    clip: float
+
+    def step(self) -> torch.Tensor:
+        """Forward, backward, clip, AdamW: one step as the trainer runs it; no host sync."""
+        from pretrain.evaluate import autocast_for
+
+        device = next(self.model.parameters()).device
+        with autocast_for(device, self.dtype):
+            loss = self.loss()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def ours(cfg, device: torch.device, shapes: Shapes, fused: bool, seed: int = 0) -> Trainee:
+    """Our model of `cfg`, fused AdamW, on a synthetic batch."""
+    model = build(cfg, device)
+    m = cfg.model
+    batch = synthetic_batch(cfg, shapes.batch, device, seed)
+    return Trainee(model, adamw(model, cfg.optim, fused),
+                   lambda: model.loss(batch[:, :-1], batch[:, 1:]), m.flops_per_token(),
+                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip)
 
 
-def timed(fn, device: torch.device) -> float:
-    """Wall seconds of fn(), the device's queue drained before and after."""
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
+def anchor(cfg, device: torch.device, shapes: Shapes, fused: bool, dwa: nn.Module | None = None,
+           rope: bool = False, seed: int = 0) -> Trainee:
+    """benchmarks/nanogpt_anchor.py's AnchorGPT at `cfg`'s shape (with `dwa` or RoPE), fused
+    AdamW with our hyper-parameters, on the same synthetic batch as `ours(cfg, ...)`; its
+    FLOPs per token are counted as ours of the same shape and pattern."""
+    from nanogpt_anchor import AnchorGPT
+
+    m = cfg.model
+    model = AnchorGPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size, dwa,
+                      rope=rope).to(device)
+    batch = synthetic_batch(cfg, shapes.batch, device, seed)
+    return Trainee(model, adamw(model, cfg.optim, fused),
+                   lambda: model(batch[:, :-1], batch[:, 1:]), m.flops_per_token(),
+                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
@@ -116,51 +174,35 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
             "(no spec peak known for this device and dtype)", "measured_matmul_flops": measured}
 
 
-def section_speed(device: torch.device, shapes: Shapes, models: dict) -> dict:
-    """Paper-shape Transformer, DenseFormer 4x5 and 1x1, interleaved round-robin (the order
-    reversed every other round, so drift hits each alike): medians, tokens/s, MFU, ratios."""
-    runs = {}
-    for name in VARIANTS:
-        cfg = load(name, shapes)
-        models[name] = (cfg, *build(cfg, device))
-        runs[name] = []
-    peak = peak_flops(device, shapes.dtype)
-    batches = {name: synthetic_batch(cfg, shapes.batch, device, seed=i)
-               for i, (name, (cfg, _, _)) in enumerate(models.items())}
-    losses = {}
+def timed_rows(trainees: dict[str, Trainee], device: torch.device, shapes: Shapes,
+               peak: dict | None = None) -> tuple[dict, dict]:
+    """Time every trainee interleaved; ({name: figures}, {name: per-round step times})."""
+    times = interleaved({name: t.step for name, t in trainees.items()}, device,
+                        rounds=shapes.rounds, steps=shapes.steps_per_round,
+                        warmup=shapes.warmup_steps)
+    rows = {}
+    for name, t in trainees.items():
+        steps = [s for r in times[name] for s in r]
+        med = statistics.median(steps)
+        rows[name] = {"median_step_s": med, "min_step_s": min(steps),
+                      "max_step_s": max(steps), "steps": len(steps),
+                      "tokens_per_s": t.tokens / med, "params": sum(
+                          p.numel() for p in t.model.parameters()),
+                      "last_loss": float(t.step())}
+        if peak is not None:
+            flops = t.flops_per_token * t.tokens / med
+            rows[name].update(model_tflops=flops / 1e12, mfu=flops / peak["flops"],
+                              mfu_vs_measured_matmul=flops / peak["measured_matmul_flops"])
+    return rows, times
 
-    def step(name):
-        cfg, model, opt = models[name]
-        losses[name] = train_step(model, opt, batches[name], shapes.dtype, cfg.optim.grad_clip)
 
-    for name in VARIANTS:  # allocator, cuBLAS handles, optimizer state
-        for _ in range(shapes.warmup_steps):
-            timed(lambda n=name: step(n), device)
-    for r in range(shapes.rounds):
-        order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-        for name in order:
-            for _ in range(shapes.steps_per_round):
-                runs[name].append(timed(lambda n=name: step(n), device))
-    base = statistics.median(runs["transformer"])
-    variants = {}
-    for name, times in runs.items():
-        cfg = models[name][0]
-        med = statistics.median(times)
-        tokens = shapes.batch * cfg.model.seq_len
-        flops = cfg.model.flops_per_token() * tokens / med
-        variants[name] = {
-            "median_step_s": med, "min_step_s": min(times), "max_step_s": max(times),
-            "steps": len(times), "tokens_per_s": tokens / med, "model_tflops": flops / 1e12,
-            "mfu": flops / peak["flops"], "mfu_vs_measured_matmul":
-                flops / peak["measured_matmul_flops"],
-            "vs_transformer": med / base, "params": models[name][1].num_params(),
-            "last_loss": float(losses[name])}
-    m = models["transformer"][0].model
-    return {"shape": {"n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-                      "seq_len": m.seq_len, "vocab_size": m.vocab_size, "batch": shapes.batch},
-            "dtype": str(shapes.dtype).removeprefix("torch."), "peak": peak,
-            "rounds": shapes.rounds, "steps_per_round": shapes.steps_per_round,
-            "variants": variants}
+def timing_header(device: torch.device, shapes: Shapes, fused: bool) -> dict:
+    """How a timed section ran (the same keys in every one)."""
+    return {"timer": timer_name(device), "rounds": shapes.rounds,
+            "steps_per_round": shapes.steps_per_round, "warmup_steps": shapes.warmup_steps,
+            "batch": shapes.batch, "dtype": str(shapes.dtype).removeprefix("torch."),
+            "optimizer": f"torch.optim.AdamW(fused={fused})", "order": "rotated each round",
+            "interval": INTERVAL}
 
 
 def cuda_activation_bytes(model, batch: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -187,7 +229,7 @@ def cuda_activation_bytes(model, batch: torch.Tensor, dtype: torch.dtype) -> dic
                       "allocation before it (parameters, gradients, optimizer state)"}
 
 
-def section_memory(device: torch.device, shapes: Shapes, models: dict) -> dict:
+def section_memory(device: torch.device, shapes: Shapes) -> dict:
     """parallel.memory's activation estimate against what a micro-batch really takes, for
     `block` and `dwa_block` checkpointing (on the CPU: the autograd probe, fp32)."""
     from parallel.checkpointing import apply_activation_checkpointing
@@ -196,10 +238,8 @@ def section_memory(device: torch.device, shapes: Shapes, models: dict) -> dict:
     dtypes = ("bf16", "fp32") if device.type == "cuda" else ("fp32",)
     rows = []
     for name in ("dense-1x1", "dense-4x5"):
-        if name not in models:
-            cfg = load(name, shapes)
-            models[name] = (cfg, *build(cfg, device))
-        cfg, model, _ = models[name]
+        cfg = load(name, shapes)
+        model = build(cfg, device)
         batch = synthetic_batch(cfg, shapes.memory_batch, device, seed=7)
         for mode in ("block", "dwa_block"):
             apply_activation_checkpointing(model, mode, 1)
@@ -225,35 +265,31 @@ def section_memory(device: torch.device, shapes: Shapes, models: dict) -> dict:
                              "estimated_bytes": estimated, **measured,
                              "autocast_weight_copies_bytes": copies,
                              "measured_over_estimated": measured["measured_bytes"] / estimated})
-        apply_activation_checkpointing(model, "none")
+        del model
     return {"micro_batch": shapes.memory_batch, "rows": rows}
 
 
-def section_compile(device: torch.device, shapes: Shapes) -> dict:
-    """DenseFormer 4x5: eager against every block compiled (torch.compile per block, as
-    torchtitan does; the DWAs stay eager), same weights and data, interleaved rounds."""
-    cfg = load("dense-4x5", shapes)
+def section_compile(device: torch.device, shapes: Shapes, fused: bool) -> dict:
+    """Our Transformer and DenseFormer 4x5: eager against every block compiled
+    (torch.compile per block, as torchtitan does; the DWAs stay eager), same weights and
+    data, interleaved; the speedup (eager / compiled step) as a median with its interval."""
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    eager, compiled = build(cfg, device), build(cfg, device)
-    for block in compiled[0].blocks:
-        block.compile(backend=backend)
-    batch = synthetic_batch(cfg, shapes.batch, device, seed=11)
-    clip = cfg.optim.grad_clip
-    first = {}
-    first["eager"] = float(train_step(*eager, batch, shapes.dtype, clip))
-    compile_s = timed(lambda: first.__setitem__(
-        "compiled", float(train_step(*compiled, batch, shapes.dtype, clip))), device)
-    times = {"eager": [], "compiled": []}
-    for r in range(3):
-        for name in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
-            model, opt = eager if name == "eager" else compiled
-            for _ in range(shapes.compile_steps):
-                times[name].append(timed(lambda m=model, o=opt: train_step(
-                    m, o, batch, shapes.dtype, clip), device))
-    eager_s, compiled_s = (statistics.median(times[k]) for k in ("eager", "compiled"))
-    return {"model": "dense-4x5", "backend": backend, "batch": shapes.batch,
-            "dtype": str(shapes.dtype).removeprefix("torch."),
-            "first_step_s_with_compile": compile_s, "eager_median_step_s": eager_s,
-            "compiled_median_step_s": compiled_s, "speedup": eager_s / compiled_s,
-            "steps": len(times["eager"]),
-            "first_loss_abs_diff": abs(first["eager"] - first["compiled"])}
+    trainees, first = {}, {}
+    for name in ("transformer", "dense-4x5"):
+        cfg = load(name, shapes)
+        trainees[f"{name}/eager"] = ours(cfg, device, shapes, fused)
+        compiled = trainees[f"{name}/compiled"] = ours(cfg, device, shapes, fused)
+        for block in compiled.model.blocks:
+            block.compile(backend=backend)
+        eager_loss = float(trainees[f"{name}/eager"].step())
+        sync(device)
+        start = time.perf_counter()
+        compiled_loss = float(compiled.step())
+        first[name] = {"first_step_s_with_compile": time.perf_counter() - start,
+                       "first_loss_abs_diff": abs(eager_loss - compiled_loss)}
+    rows, times = timed_rows(trainees, device, shapes)
+    speedups = {name: {**first[name], "speedup": ratio_ci(times[f"{name}/eager"],
+                                                          times[f"{name}/compiled"])}
+                for name in first}
+    return {**timing_header(device, shapes, fused), "backend": backend, "rows": rows,
+            "models": speedups}

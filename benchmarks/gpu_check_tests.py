@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# On the CPU the suite's subset is cut to two quick tests: CI runs the full files anyway.
-CPU_PYTEST_FILTER = "identity_init or api_shapes"
+# On the CPU the suite's subset is cut to three quick tests (CI runs the full files anyway),
+# one of them a CLI subprocess whose PYTHONPATH is reset (tests/conftest.py cli_env): the
+# kind that could not import the carried wheels on the first GPU run.
+CPU_PYTEST_FILTER = "identity_init or api_shapes or (invalid_config and n_heads)"
 
 
 def child_env() -> dict:
@@ -81,7 +83,7 @@ def device_equivalence(device: torch.device) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         cfg = load("dense-1x1", CPU_SHAPES, "model.d_model=128", "model.seq_len=64")
-        model, _ = build(cfg, device)
+        model = build(cfg, device)
         # Two Adam steps move the alphas off their identity init (inside the DWA pattern:
         # the other entries get no gradient), so that every DWA really mixes.
         adam = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -3,8 +3,10 @@
 # x86-64 manylinux, no network there): megatron-core, wids, webdataset and their small
 # dependencies that machine lacks, plus pytest-timeout for the suite's timeouts. Not MLflow
 # or DeepSpeed (the check runs with tracking and ZeRO off). Into .whl/ (git-ignored), which
-# the device `run` call carries; scripts/gpu_check.sh installs them there.
-# Usage: bash scripts/gpu_wheels.sh        (docs/benchmarks.md#gpu-check)
+# the device `run` call carries; scripts/gpu_check.sh installs them there. With
+# OFFICIAL=<a checkout of epfml/DenseFormer> it also copies the official code (its
+# denseformer/ package and LICENSE) to .whl/DenseFormer, for `gpu_check.sh --official`.
+# Usage: [OFFICIAL=PATH] bash scripts/gpu_wheels.sh        (docs/benchmarks.md#gpu-check)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=$root/.whl
@@ -16,6 +18,11 @@ py=${PYTHON:-$root/.venv/bin/python}
 packages=(megatron-core==0.16.1 wids==0.1.11 webdataset==1.0.2 braceexpand==0.1.7
     pytest-timeout==2.4.0)
 
+if [[ -n ${OFFICIAL:-} && ! -f ${OFFICIAL:-}/denseformer/__init__.py ]]; then
+    echo "error: OFFICIAL=$OFFICIAL holds no denseformer/__init__.py" >&2
+    exit 2
+fi
+
 rm -rf "$dest.new"
 mkdir -p "$dest.new"
 # --no-deps: the machine has torch, numpy, pyyaml, packaging and pytest already; the list
@@ -24,6 +31,12 @@ mkdir -p "$dest.new"
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$dest.new" "${packages[@]}"
+if [[ -n ${OFFICIAL:-} ]]; then
+    mkdir -p "$dest.new/DenseFormer"
+    cp -r "$OFFICIAL/denseformer" "$dest.new/DenseFormer/"
+    cp "$OFFICIAL/LICENSE" "$dest.new/DenseFormer/" 2>/dev/null || true
+    echo "copied the official code from $OFFICIAL to $dest/DenseFormer"
+fi
 rm -rf "$dest"
 mv "$dest.new" "$dest"
 

@@ -1,4 +1,5 @@
-"""The GPU check (scripts/gpu_check.sh) on its CPU fallback, as the bare GPU machine sees it.
+"""The GPU check (scripts/gpu_check.sh) on its CPU fallback, as the bare GPU machine sees it,
+and the statistics it judges the goals by (benchmarks/gpu_check_timing.py).
 
 The GPU machine has neither DeepSpeed nor MLflow: the check runs here with both made
 unimportable (a sitecustomize that refuses them), so an import that would pull either in on
@@ -6,15 +7,26 @@ the check's paths fails this test instead of the one borrowed GPU run.
 """
 
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_check_dwa import PATTERNS, STEP_GOALS, our_rows  # noqa: E402
+from gpu_check_timing import interleaved, median_ci, median_interval_ranks, verdict  # noqa: E402
+
+from pretrain.model import DenseFormerConfig  # noqa: E402
+from pretrain.model.dwa_layout import buffered_traffic  # noqa: E402
 
 BLOCKER = textwrap.dedent("""\
     # Make the GPU machine's missing packages unimportable in every process of the check.
@@ -51,34 +63,118 @@ def test_the_blocker_refuses_deepspeed_and_mlflow(bare_env):
         assert done.returncode != 0 and "not on the GPU machine" in done.stderr, module
 
 
-@pytest.mark.slow  # ~50 s; the script's start-up and document: the budget-0 test below
-@pytest.mark.timeout(400)
-def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_env):
+
+def has_storage_dtype() -> bool:
+    from gpu_check_dwa import has_storage_dtype as has
+
+    return has()
+
+
+def assert_interval(ci: dict, n: int = 6) -> None:
+    """A median with its interval from n rounds, in order."""
+    assert ci["n"] == n and ci["low"] <= ci["median"] <= ci["high"], ci
+
+
+def assert_dwa_part(sections: dict, other: str) -> None:
+    """The dwa part's rows, ratios, floors and goal verdicts, consistent with each other."""
+    steps, alone = sections["dwa_steps"], sections["dwa_alone"]
+    assert steps["part"] == alone["part"] == "dwa" and steps["timer"] == "perf_counter"
+    assert steps["other_dwa"] == alone["other_dwa"] == other
+    rows = steps["rows"]
+    storage_key = has_storage_dtype()
+    ours = [f"dense-{p}/{s}" for p in ("1x1", "4x1", "4x5") for s in ("fp32", "bf16")]
+    ran = ours if storage_key else ["dense-1x1", "dense-4x1", "dense-4x5"]
+    assert set(rows) == {"transformer", "anchor", *ours, *ran,
+                         *(f"{other}-{p}" for p in ("1x1", "4x1", "4x5"))}
+    for name in set(ours) - set(ran):
+        assert rows[name]["status"] == "skipped" and "dwa_dtype" in rows[name]["reason"]
+    tokens = steps["batch"] * 32
+    for name in ran + ["transformer", "anchor"]:
+        r = rows[name]
+        assert r["steps"] == 6 and 0 < r["min_step_s"] <= r["median_step_s"] <= r["max_step_s"]
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["median_step_s"])
+        assert r["mfu"] == pytest.approx(r["model_tflops"] * 1e12 / steps["peak"]["flops"])
+    for name in ran:
+        assert_interval(rows[name]["vs_transformer"])
+        assert_interval(rows[name][f"added_time_vs_{other}"])
+        assert rows[name]["last_loss"] < 7  # ln(512) = 6.24 at init: a finite, sane loss
+    for p in ("1x1", "4x1", "4x5"):
+        assert_interval(rows[f"{other}-{p}"]["vs_anchor"])
+    goals = steps["goals"]
+    assert {g["row"] for g in goals if "step" in g["measure"]} == {
+        f"dense-{p}/{s}" for p, s in STEP_GOALS}
+    assert len(goals) == 4 + 2 * (2 if storage_key else 1)
+    assert all(g["met"] is None and "paper shape" in g["reason"] or "skipped" in g["reason"]
+               for g in goals), goals  # never judged on the CPU
+    bandwidth = alone["copy_bandwidth"]["best_bytes_per_s"]
+    assert set(alone["rows"]) == set(ran) | {f"{other}-{p}" for p in ("1x1", "4x1", "4x5")}
+    for name, r in alone["rows"].items():
+        k, p = PATTERNS[name.split("-")[1].split("/")[0]]
+        pattern = DenseFormerConfig(n_layers=10, dwa_dilation=k, dwa_period=p).dwa_pattern
+        traffic = buffered_traffic(pattern)
+        assert r["floor_tensors"] == traffic["floor_forward"] + traffic["floor_backward"], name
+        assert r["floor_ms"] == pytest.approx(r["floor_tensors"] * r["tensor_bytes"] / bandwidth
+                                              * 1e3)
+        assert_interval(r["vs_floor"])
+        assert r["vs_floor"]["median"] == pytest.approx(r["added_ms"]["median"] / r["floor_ms"])
+
+
+@pytest.fixture
+def fake_official(tmp_path) -> Path:
+    """A stand-in checkout of the official code: a `denseformer` package whose DWAModules is
+    the clean-room ReferenceDWA (same interface), so the --official path runs here."""
+    package = tmp_path / "official" / "denseformer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from nanogpt_anchor import ReferenceDWA as DWAModules\n")
+    return package.parent
+
+
+@pytest.mark.timeout(300)
+def test_cpu_dwa_part_with_an_official_checkout(tmp_path, bare_env, fake_official):
     out = tmp_path / "out"
-    done = check(out, bare_env, "--cpu")
+    done = check(out, bare_env, "--cpu", "--only", "dwa", "--official", str(fake_official))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
-    assert (out / "gpu_check.log").read_text().count("[gpu_check]") >= 8
+    assert doc["parts"] == ["dwa"] and set(doc["sections"]) == {"dwa_steps", "dwa_alone"}
+    assert doc["environment"]["official"] == str(fake_official)
+    assert_dwa_part(doc["sections"], "official")
+    assert doc["goals"] == [{"section": "dwa_steps", **g}
+                            for g in doc["sections"]["dwa_steps"]["goals"]]
+
+
+@pytest.mark.slow  # ~2 min: every part; the quick tests above and below cover the rest
+@pytest.mark.timeout(600)
+def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_env):
+    out = tmp_path / "out"
+    done = check(out, bare_env, "--cpu", timeout=560)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert (out / "gpu_check.log").read_text().count("[gpu_check]") >= 14
     assert doc["mode"] == "cpu" and doc["finished"]
     assert doc["environment"]["torch"] and doc["environment"]["megatron_core"] == "0.16.1"
     sections = doc["sections"]
-    assert {k: s["status"] for k, s in sections.items()} == dict.fromkeys(
-        ("speed", "memory", "tests", "compile"), "ok"), json.dumps(sections)[:3000]
+    assert {k: (s["part"], s["status"]) for k, s in sections.items()} == {
+        "dwa_steps": ("dwa", "ok"), "dwa_alone": ("dwa", "ok"),
+        "transformer": ("transformer", "ok"), "profile": ("transformer", "ok"),
+        "compile": ("transformer", "ok"), "memory": ("memory", "ok"),
+        "tests": ("tests", "ok")}, json.dumps(sections)[:3000]
+    assert_dwa_part(sections, "reference")
 
-    speed = sections["speed"]
-    assert set(speed["variants"]) == {"transformer", "dense-4x5", "dense-1x1"}
-    shape, peak = speed["shape"], speed["peak"]["flops"]
-    for name, v in speed["variants"].items():  # consistent figures; speed is never asserted
-        assert v["steps"] == 6 and 0 < v["min_step_s"] <= v["median_step_s"], name
-        tokens = shape["batch"] * shape["seq_len"]
-        assert v["tokens_per_s"] == pytest.approx(tokens / v["median_step_s"])
-        assert v["mfu"] == pytest.approx(v["model_tflops"] * 1e12 / peak) and v["mfu"] > 0
-        assert v["vs_transformer"] == pytest.approx(
-            v["median_step_s"] / speed["variants"]["transformer"]["median_step_s"])
-        assert v["last_loss"] < 7  # ln(512) = 6.24 at init: a finite, sane loss
-    assert speed["variants"]["transformer"]["vs_transformer"] == 1.0
-    assert speed["variants"]["dense-1x1"]["params"] > speed["variants"]["transformer"]["params"]
-    assert "measured" in speed["peak"]["source"]  # no spec peak for a CPU
+    transformer = sections["transformer"]
+    assert set(transformer["rows"]) == {"transformer", "anchor-rope", "anchor"}
+    ours = transformer["rows"]["transformer"]
+    for anchor in ("anchor-rope", "anchor"):
+        assert_interval(ours[f"tokens_per_s_vs_{anchor}"])
+    assert [g["goal"] for g in transformer["goals"]] == [">= 1.0"]
+    assert transformer["goals"][0]["met"] is None
+    assert "measured" in transformer["peak"]["source"]  # no spec peak for a CPU
+    for name, profile in sections["profile"]["models"].items():
+        times = [k["self_ms"] for k in profile["top"]]
+        assert len(times) == 15 and times == sorted(times, reverse=True), name
+        assert profile["ranked"] == "ops" and (out / profile["table"]).exists()
+    for name, compiled in sections["compile"]["models"].items():
+        assert compiled["first_loss_abs_diff"] < 1e-5, name
+        assert_interval(compiled["speedup"])
 
     rows = sections["memory"]["rows"]
     assert {(r["model"], r["mode"]) for r in rows} == {
@@ -88,7 +184,9 @@ def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_en
 
     tests = sections["tests"]
     assert tests["problems"] == [], json.dumps(tests)[:3000]
-    assert tests["pytest"]["tests"] >= 2 and tests["pytest"]["failures"] == 0
+    assert tests["pytest"]["tests"] >= 3 and tests["pytest"]["failures"] == 0
+    # ...a CLI subprocess among them, whose PYTHONPATH is reset (tests/conftest.py cli_env)
+    assert "test_invalid_config_exits_2_naming_the_key" in (out / "pytest.xml").read_text()
     for name, v in tests["equivalence"]["variants"].items():
         assert v["loss_abs_diff"] < (0.05 if name == "bf16_autocast" else 1e-5), name
         assert v.get("max_rel_grad_diff", 0) < 1e-5, name
@@ -98,34 +196,121 @@ def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_en
     assert trainer["last_loss"] < trainer["first_loss"]
     assert "cpu" in trainer["device_line"]  # the trainer's log names the device it used
 
-    compiled = sections["compile"]
-    assert compiled["first_loss_abs_diff"] < 1e-5
-    assert compiled["eager_median_step_s"] > 0 and compiled["compiled_median_step_s"] > 0
-
     imports = doc["imports"]
     assert imports["forbidden"] == [] and imports["outside_device"] == [], imports
     assert {"torch", "megatron", "numpy"} <= set(imports["third_party"])
 
 
-def test_spent_budget_skips_sections_but_still_writes_the_document(tmp_path, bare_env):
+def fake_wheel(folder: Path, module: str) -> Path:
+    """A minimal pure-Python wheel that holds one package, `module`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{module}-0.1.dist-info"
+    files = {f"{module}/__init__.py": "CARRIED = True\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    wheel = folder / f"{module}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
+@pytest.mark.timeout(200)
+def test_spent_budget_skips_sections_and_carried_wheels_reach_reset_subprocesses(tmp_path,
+                                                                                 bare_env):
+    """The two harness faults of the first GPU run: a CLI subprocess whose PYTHONPATH is reset
+    (as tests/conftest.py cli_env does) could not import the carried wheels on a venv Python,
+    and the commit named by GPU_CHECK_COMMIT was ignored."""
+    assert sys.prefix != sys.base_prefix  # this Python is a venv, as the GPU machine's is
+    fake_wheel(tmp_path / "wheels", "gpu_check_carried_probe")
+    env = dict(bare_env, GPU_CHECK_WHEELS=str(tmp_path / "wheels"), GPU_CHECK_COMMIT="c0ffee1")
     out = tmp_path / "out"
-    done = check(out, bare_env, "--cpu", "--budget-s", "0", timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = check(out, env, "--cpu", "--budget-s", "0", timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     assert {s["status"] for s in doc["sections"].values()} == {"skipped"}
-    assert len(doc["sections"]) == 4
+    assert len(doc["sections"]) == 7 and doc["goals"] == []
+    assert doc["environment"]["commit"] == "c0ffee1"
+    assert doc["environment"]["commit_source"] == "GPU_CHECK_COMMIT"
+    carried = doc["carried"]
+    assert carried["via"] == "venv", carried
+    assert carried["modules"]["gpu_check_carried_probe"]["from_site"] is True, carried
+    assert carried["all_from_site"] is True
+    # ...and the check's own process still has the Python's packages (torch, megatron).
+    assert doc["environment"]["megatron_core"] == "0.16.1"
 
 
 def test_usage_errors_exit_2(tmp_path, bare_env):
-    assert check(tmp_path, bare_env, "--cpu", "--sections", "speed,nonsense",
-                 timeout=120).returncode == 2
+    for args in (["--only", "dwa,nonsense"], ["--only", ","], ["--official", str(tmp_path)]):
+        done = check(tmp_path / "out", bare_env, "--cpu", *args, timeout=120)
+        assert done.returncode == 2, (args, done.stdout[-2000:])
+    assert "DWAModules" in done.stdout  # the bad --official names what it looked for
     no_out = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], cwd=ROOT,
                             env=bare_env, capture_output=True, text=True, timeout=60)
     assert no_out.returncode == 2 and "usage" in no_out.stderr
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_without_cuda_the_gpu_mode_refuses_naming_the_cpu_flag(tmp_path, bare_env):
     done = check(tmp_path / "out", bare_env, timeout=120)
     assert done.returncode == 2
     assert "no CUDA device" in done.stdout + done.stderr and "--cpu" in done.stdout + done.stderr
+
+
+# -- the statistics (benchmarks/gpu_check_timing.py) --------------------------------------
+
+
+def test_median_interval_ranks_are_the_binomial_ones():
+    # n = 6: [x_1, x_6] covers with 1 - 2/64; n = 12: [x_3, x_10], 1 - 2 * 79/4096.
+    assert [median_interval_ranks(n) for n in (5, 6, 8, 12, 60)] == [None, 1, 1, 3, 22]
+    for n in (6, 12, 60):
+        rank = median_interval_ranks(n)
+        miss = 2 * sum(math.comb(n, i) for i in range(rank)) / 2**n
+        wider_miss = 2 * sum(math.comb(n, i) for i in range(rank + 1)) / 2**n
+        assert miss <= 0.05 < wider_miss, n
+
+
+def test_the_interval_covers_the_median_at_least_95_percent_of_the_time():
+    rng = random.Random(0)
+    for n in (6, 12):  # a skewed distribution: exponential, median ln 2
+        trials = 4000
+        hits = sum(ci["low"] <= math.log(2) <= ci["high"] for ci in (
+            median_ci([rng.expovariate(1.0) for _ in range(n)]) for _ in range(trials)))
+        exact = 1 - 2 * sum(math.comb(n, i) for i in range(median_interval_ranks(n))) / 2**n
+        assert abs(hits / trials - exact) < 0.015 and exact >= 0.95, (n, hits / trials)
+
+
+def test_a_goal_is_met_only_when_the_whole_interval_clears_it():
+    ci = {"median": 1.0, "low": 0.9, "high": 1.1, "n": 12}
+    assert verdict(ci, 1.2, "<=")["met"] is True
+    assert verdict(ci, 1.05, "<=")["met"] is False  # the median is below, the interval not
+    assert verdict(ci, 0.8, ">=")["met"] is True
+    assert verdict(ci, 0.95, ">=")["met"] is False
+    assert verdict(median_ci([1.0] * 5), 2.0, "<=")["met"] is None  # too few rounds
+    assert verdict(ci, 1.2, "<=", reason="on a CPU")["met"] is None
+    with pytest.raises(ValueError, match="'<'"):
+        verdict(ci, 1.2, "<")
+
+
+def test_rounds_interleave_every_configuration_in_a_rotated_order():
+    calls = []
+    runs = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    times = interleaved(runs, torch.device("cpu"), rounds=3, steps=2, warmup=1)
+    assert calls[:3] == ["a", "b", "c"]  # the warm-up
+    assert calls[3:] == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a",
+                         "c", "c", "a", "a", "b", "b"]
+    assert all(len(rounds) == 3 and all(len(r) == 2 and min(r) >= 0 for r in rounds)
+               for rounds in times.values())
+
+
+@pytest.mark.parametrize("storage_key", [True, False])
+def test_dwa_rows_pass_the_storage_dtype_or_say_why_not(storage_key):
+    rows, skipped = our_rows(storage_key)
+    if storage_key:
+        assert skipped == {} and rows["dense-4x5/bf16"] == ("dense-4x5", "4x5", "bf16")
+        assert len(rows) == 6
+    else:
+        assert set(rows) == {"dense-1x1", "dense-4x1", "dense-4x5"} and len(skipped) == 6
+        assert all("dwa_dtype" in why for why in skipped.values())

@@ -1,0 +1,206 @@
+"""The GPU check's `dwa` part: what the DWAs cost in a train step, and alone.
+
+- dwa_steps: our Transformer and DenseFormer 1x1, 4x1, 4x5 with `model.dwa_dtype` fp32 and
+  bf16 (a DenseFormerConfig field; where the installed code lacks it, those rows are listed
+  as skipped with the reason, and each pattern runs once at the code's own storage instead),
+  and the nanoGPT-style anchor alone and with the official DWA (`--official PATH`, a
+  DenseFormer checkout) or the clean-room `ReferenceDWA` (benchmarks/nanogpt_anchor.py) at
+  the same patterns; all eager, bf16 autocast, fused AdamW, interleaved
+  (gpu_check_timing.py). Ratios: each of ours to our Transformer, each anchor row to the
+  anchor, and our DWA's added time (ours - our Transformer) over the other code's (anchor
+  with DWA - anchor), per round; goals from issue 30.
+- dwa_alone: the same DWAs with every block replaced by a scalar multiply, forward +
+  backward under the same autocast, minus the same without DWA, against the byte floor:
+  `buffered_traffic`'s floor count (pretrain/model/dwa_layout.py: what any scheme that reads
+  every (i, j) pair once must move) x one hidden-size tensor's bytes, at the copy bandwidth
+  measured on the device (best of 10 large copies). The tensor bytes are those of the
+  storage dtype (for bf16 a lower bound: the outputs and gradients stay fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from gpu_check_perf import (
+    Shapes,
+    anchor,
+    goal_reason,
+    load,
+    ours,
+    peak_flops,
+    timed_rows,
+    timing_header,
+)
+from gpu_check_timing import (
+    INTERVAL,
+    copy_bandwidth,
+    interleaved,
+    median_ci,
+    ratio_ci,
+    round_means,
+    timer_name,
+    verdict,
+)
+from torch import nn
+
+PATTERNS = {"1x1": (1, 1), "4x1": (4, 1), "4x5": (4, 5)}
+STORAGE = ("fp32", "bf16")
+# Issue 30's goals, at the paper shape on a GPU: step time over our Transformer's, and our
+# DWA's added time over the official code's (both storage dtypes are checked against each).
+STEP_GOALS = {("1x1", "fp32"): 1.25, ("1x1", "bf16"): 1.15, ("4x5", "fp32"): 1.05,
+              ("4x5", "bf16"): 1.05}
+ADDED_GOAL = 0.5
+ADDED_GOAL_PATTERNS = ("1x1", "4x5")
+NO_STORAGE_KEY = ("this code's DenseFormerConfig has no dwa_dtype field (model.dwa_dtype "
+                  "comes with issue 30); the pattern ran once, at the code's own storage")
+
+
+def has_storage_dtype() -> bool:
+    """Whether the installed model code has the `model.dwa_dtype` key."""
+    from pretrain.model import DenseFormerConfig
+
+    return "dwa_dtype" in {f.name for f in dataclasses.fields(DenseFormerConfig)}
+
+
+def our_rows(storage_key: bool) -> tuple[dict[str, tuple[str, str, str | None]], dict]:
+    """({row: (paper variant, pattern, storage dtype or None)}, {skipped row: reason})."""
+    rows, skipped = {}, {}
+    for pattern in PATTERNS:
+        if storage_key:
+            for storage in STORAGE:
+                rows[f"dense-{pattern}/{storage}"] = (f"dense-{pattern}", pattern, storage)
+        else:
+            skipped.update({f"dense-{pattern}/{s}": NO_STORAGE_KEY for s in STORAGE})
+            rows[f"dense-{pattern}"] = (f"dense-{pattern}", pattern, None)
+    return rows, skipped
+
+
+def other_dwa(official_cls, n_layers: int, pattern: str) -> nn.Module:
+    """The official DWAModules (a class from --official) or the clean-room ReferenceDWA."""
+    from nanogpt_anchor import ReferenceDWA
+
+    return (official_cls or ReferenceDWA)(n_layers, *PATTERNS[pattern])
+
+
+def section_dwa_steps(device: torch.device, shapes: Shapes, fused: bool, official_cls,
+                      keep: dict) -> dict:
+    """The step rows and ratios (module docstring); `keep` gets the models for dwa_alone."""
+    rows, skipped = our_rows(has_storage_dtype())
+    style = "official" if official_cls is not None else "reference"
+    trainees = {"transformer": ours(load("transformer", shapes), device, shapes, fused)}
+    for name, (variant, _, storage) in rows.items():
+        extra = () if storage is None else (f"model.dwa_dtype={storage}",)
+        trainees[name] = ours(load(variant, shapes, *extra), device, shapes, fused)
+    trainees["anchor"] = anchor(load("transformer", shapes), device, shapes, fused)
+    for pattern in PATTERNS:
+        cfg = load(f"dense-{pattern}", shapes)
+        trainees[f"{style}-{pattern}"] = anchor(cfg, device, shapes, fused, other_dwa(
+            official_cls, cfg.model.n_layers, pattern))
+    peak = peak_flops(device, shapes.dtype)
+    figures, times = timed_rows(trainees, device, shapes, peak)
+    keep.update({name: t.model for name, t in trainees.items() if name != "anchor"})
+
+    def added(name: str, pattern: str) -> dict:  # per round: ours' added / the other's
+        ours_added = [a - b for a, b in zip(round_means(times[name]),
+                                            round_means(times["transformer"]), strict=True)]
+        other_added = [a - b for a, b in zip(round_means(times[f"{style}-{pattern}"]),
+                                             round_means(times["anchor"]), strict=True)]
+        return median_ci([a / b for a, b in zip(ours_added, other_added, strict=True)])
+
+    reason = goal_reason(device, shapes)
+    goals = []
+    for name, (_, pattern, storage) in rows.items():
+        figures[name]["dwa_dtype"] = storage
+        figures[name]["vs_transformer"] = ratio_ci(times[name], times["transformer"])
+        figures[name][f"added_time_vs_{style}"] = added(name, pattern)
+        if (pattern, storage) in STEP_GOALS:
+            goals.append({"measure": f"{pattern} step / Transformer step, {storage} storage",
+                          "row": name, **verdict(figures[name]["vs_transformer"],
+                                                 STEP_GOALS[pattern, storage], "<=", reason)})
+        if pattern in ADDED_GOAL_PATTERNS:
+            why = reason or (None if official_cls is not None else
+                             "measured against the clean-room ReferenceDWA; the goal is "
+                             "against the official code (--official PATH)")
+            goals.append({"measure": f"our DWA's added time / the official code's, {pattern}"
+                                     f", {storage or 'own'} storage", "row": name,
+                          **verdict(figures[name][f"added_time_vs_{style}"], ADDED_GOAL,
+                                    "<=", why)})
+    for pattern in PATTERNS:
+        figures[f"{style}-{pattern}"]["vs_anchor"] = ratio_ci(times[f"{style}-{pattern}"],
+                                                              times["anchor"])
+    for name, why in skipped.items():
+        figures[name] = {"status": "skipped", "reason": why}
+        pattern, storage = name.removeprefix("dense-").split("/")
+        if (pattern, storage) in STEP_GOALS:
+            goals.append({"measure": f"{pattern} step / Transformer step, {storage} storage",
+                          "row": name, **verdict(None, STEP_GOALS[pattern, storage], "<=",
+                                                 f"row skipped: {why}")})
+    return {**timing_header(device, shapes, fused), "peak": peak, "other_dwa": style,
+            "rows": figures, "goals": goals}
+
+
+def section_dwa_alone(device: torch.device, shapes: Shapes, official_cls, keep: dict) -> dict:
+    """The DWAs alone against their byte floor (module docstring); reuses `keep`'s models
+    (dwa_steps') where it has them."""
+    from bench_model import Scale  # the stand-in block of bench_model's DWA-alone rows
+    from nanogpt_anchor import AnchorGPT
+
+    from pretrain.evaluate import autocast_for
+    from pretrain.model.dwa_layout import buffered_traffic
+
+    rows, _ = our_rows(has_storage_dtype())
+    style = "official" if official_cls is not None else "reference"
+    m = load("transformer", shapes).model
+    x0 = torch.randn(shapes.batch, m.seq_len, m.d_model, device=device, requires_grad=True)
+
+    def run_of(model: nn.Module):
+        model.blocks = nn.ModuleList(Scale() for _ in range(m.n_layers)).to(device)
+
+        def run():
+            with autocast_for(device, shapes.dtype):
+                y = model.run_blocks(x0)
+            y.float().sum().backward()
+        return run
+
+    def ours_model(name: str, variant: str, storage: str | None) -> nn.Module:
+        if name in keep:
+            return keep.pop(name)
+        from gpu_check_perf import build
+
+        extra = () if storage is None else (f"model.dwa_dtype={storage}",)
+        return build(load(variant, shapes, *extra), device)
+
+    runs = {"no DWA": run_of(ours_model("transformer", "transformer", None))}
+    for name, (variant, _, storage) in rows.items():
+        runs[name] = run_of(ours_model(name, variant, storage))
+    for pattern in PATTERNS:
+        other = keep.pop(f"{style}-{pattern}", None) or AnchorGPT(
+            1, 8, 1, 1, 8, other_dwa(official_cls, m.n_layers, pattern)).to(device)
+        runs[f"{style}-{pattern}"] = run_of(other)
+    keep.clear()
+    bandwidth = copy_bandwidth(device, shapes.copy_bytes)
+    times = interleaved(runs, device, rounds=shapes.rounds, steps=shapes.steps_per_round,
+                        warmup=shapes.warmup_steps)
+    none = round_means(times.pop("no DWA"))
+    tokens = shapes.batch * m.seq_len
+    figures = {}
+    for name, series in times.items():
+        pattern = name.split("-")[1].split("/")[0]
+        storage = rows[name][2] if name in rows else None
+        traffic = buffered_traffic(load(f"dense-{pattern}", shapes).model.dwa_pattern)
+        tensor_bytes = tokens * m.d_model * (2 if storage == "bf16" else 4)
+        floor_s = (traffic["floor_forward"] + traffic["floor_backward"]) * tensor_bytes / \
+            bandwidth["best_bytes_per_s"]
+        added = [a - b for a, b in zip(round_means(series), none, strict=True)]
+        figures[name] = {"dwa_dtype": storage, "added_ms": median_ci([a * 1e3 for a in added]),
+                         "floor_tensors": traffic["floor_forward"] + traffic["floor_backward"],
+                         "tensor_bytes": tensor_bytes, "floor_ms": floor_s * 1e3,
+                         "vs_floor": median_ci([a / floor_s for a in added])}
+        if name in rows:
+            figures[name]["buffered_tensors"] = traffic["forward"] + traffic["backward"]
+    return {"timer": timer_name(device), "interval": INTERVAL, "rounds": shapes.rounds,
+            "steps_per_round": shapes.steps_per_round, "batch": shapes.batch,
+            "autocast": str(shapes.dtype).removeprefix("torch."), "copy_bandwidth": bandwidth,
+            "other_dwa": style, "no_dwa_ms": median_ci([t * 1e3 for t in none]),
+            "rows": figures}
