@@ -189,6 +189,13 @@ def cmd_sweep(args) -> int:
                 print(f"then {dependent} dependent run(s), each: sbatch --array=<i> "
                       "--dependency=afterok:<array job>_<parent> --kill-on-invalid-dep=yes")
             return 0
+        if not args.no_preflight:
+            from slurm.preflight import format_problems, preflight
+
+            problems = preflight(sweep)
+            if problems:
+                print(format_problems(problems, len(sweep.runs)), file=sys.stderr)
+                return 2
         jobs = submit(sweep)
     except SweepError as err:
         print(f"error: {err}", file=sys.stderr)
