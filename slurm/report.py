@@ -51,20 +51,21 @@ LM_EVAL_PREFIX = "lm_eval/"
 
 
 def failures(study: Study) -> list[tuple[str, str, str]]:
-    """(run, status, why) of every run without a usable final validation loss."""
+    """(run, status, why) of every run without a usable final validation loss; a failed
+    run's why is its one-line cause (tag exit_cause, else the last line of its Slurm log)."""
     rows = []
     for run in study.runs:
         if run.loss is not None:
             continue
         exit_status = run.tags.get("exit_status")
-        why = UNFINISHED.get(run.status, "finished without a final val_loss "
-                             "(data.val_batches 0?)")
+        why = run.tags.get("exit_cause") or study.logs.get(run.name) or UNFINISHED.get(
+            run.status, "finished without a final val_loss (data.val_batches 0?)")
         if exit_status not in (None, "0"):
             why += f"; Slurm task exit status {exit_status}"
         rows.append((run.name, run.status, why))
     for name in study.never_started:
         if name in study.logs:  # failed before training opened its MLflow run
-            rows.append((name, "FAILED", f"no MLflow run; its Slurm log: {study.logs[name]}"))
+            rows.append((name, "FAILED", f"{study.logs[name]}; no MLflow run"))
         else:
             rows.append((name, "NEVER STARTED", "in the sweep manifest, no MLflow run: still "
                          "queued, or cancelled (a dependent run whose parent failed)"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -62,18 +63,25 @@ class Study:
     runs: list[StudyRun]
     never_started: list[str]  # manifest runs without an MLflow run
     manifest: dict[str, Any] | None
-    logs: dict[str, str] = field(default_factory=dict)  # run -> its Slurm log's last status
+    logs: dict[str, str] = field(default_factory=dict)  # failed run -> its log's last line
 
 
-def last_status_line(sweep_dir: Path, index: int) -> str | None:
-    """The last "training exited with status N" of the Slurm log of manifest run `index`
-    (<sweep dir>/logs/<sweep>-<job>_<index>.out), naming the log; None without one."""
+LOG_PREFIXES = (re.compile(r"\[train\.sbatch [^\]]*\] "), re.compile(r"launcher: error: "))
+
+
+def last_log_line(sweep_dir: Path, index: int) -> str | None:
+    """The last line of the newest Slurm log of manifest run `index`
+    (<sweep dir>/logs/<sweep>-<job>_<index>.out), naming the log; None without one. A failed
+    task ends its log with its one-line cause (slurm/train.sbatch, slurm/launch.py)."""
     logs = sorted((sweep_dir / "logs").glob(f"*_{index}.out"), key=lambda p: p.stat().st_mtime)
     for log in reversed(logs):
-        lines = [line for line in log.read_text(errors="replace").splitlines()
-                 if "training exited with status" in line]
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if line.strip()]
         if lines:
-            return f"{lines[-1].split('] ')[-1]} ({log})"
+            line = lines[-1]
+            for prefix in LOG_PREFIXES:
+                line = prefix.sub("", line, count=1)
+            return f"{line} ({log})"
     return None
 
 
@@ -142,8 +150,10 @@ def load_study(client, experiment: str, uri: str, sweep: str | None = None) -> S
     if not runs and not never:
         raise ReportError(f"experiment {experiment!r} in {uri} holds no runs")
     logs = {}
-    for entry in never:
-        line = last_status_line(Path(path).parent, entry.get("index", -1))
-        if line:
-            logs[entry["name"]] = line
+    unfinished = {r.name for r in runs if r.loss is None and "exit_cause" not in r.tags}
+    for entry in (manifest or {}).get("runs", []):
+        if entry["name"] in unfinished or entry["name"] not in seen:
+            line = last_log_line(Path(path).parent, entry.get("index", -1))
+            if line:
+                logs[entry["name"]] = line
     return Study(experiment, uri, runs, [e["name"] for e in never], manifest, logs)

@@ -269,9 +269,10 @@ def find_run_id(task: SweepTask, client) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def tag_finished_task(task: SweepTask, status: int) -> None:
-    """Add the task's exit status to its MLflow run (the sweep's tags were set when training
-    created the run; they are set again here); a failure only warns."""
+def tag_finished_task(task: SweepTask, status: int, cause: str | None = None) -> None:
+    """Add the task's exit status (and a failed one's one-line cause, tag exit_cause) to its
+    MLflow run (the sweep's tags were set when training created the run; they are set again
+    here); a failure only warns."""
     try:
         from mlflow.entities import RunTag
 
@@ -284,7 +285,8 @@ def tag_finished_task(task: SweepTask, status: int) -> None:
                 print(f"launcher: warning: no MLflow run found for {task.name}; not tagged",
                       file=sys.stderr)
                 return
-            tags = {**task.tags, "exit_status": str(status)}
+            tags = {**task.tags, "exit_status": str(status),
+                    **({"exit_cause": cause[:5000]} if cause else {})}
             client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         print(f"launcher: MLflow run {run_id} ({task.name}): tagged exit_status={status}",
               file=sys.stderr)
