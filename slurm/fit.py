@@ -219,7 +219,7 @@ def compute_figure(fits: dict[str, ArchitectureFit], only: str | None = None,
                         label=f"{arch} fit (baseline)")
             continue
         ax.plot(compute, [p.loss for p in fit.points], "o", color=color,
-                label=f"{arch} runs" + ("" if law else " (no fit: too few budgets)"))
+                label=f"{arch} runs" + ("" if law else " (no L(C) fit)"))
         if law is not None:
             ax.plot(grid, law.loss(grid), "-", color=color,
                     label=f"{arch}: {law.a:.3g} C^-{law.alpha:.3g}")

@@ -2,10 +2,10 @@
 
 A log axis over less than a decade or two (1.16e9 to 1.19e9 FLOPs, learning rates 1e-3 to
 3e-3) gets no labelled major tick from matplotlib, or one: the reader sees a scale without
-numbers. `label_ticks` fixes the view, and where fewer than MIN_LABELS labelled ticks fall
-inside it, places MIN_LABELS + 1 ticks spread over it (geometrically on a log axis), labelled
-to 3 significant digits, with unlabelled minor ticks. `tick_labels` is what a reader sees
-(tests/test_study_report.py checks every plot with it).
+numbers, or "7.65 x 10^0" on its minor ticks. `label_ticks` fixes the view and gives a log
+axis round ticks inside it, labelled plainly to 3 significant digits (unlabelled minor
+ticks); a linear axis with fewer than MIN_LABELS labelled ticks gets round ones too.
+`tick_labels` is what a reader sees (tests/test_study_report.py checks every plot with it).
 """
 
 from __future__ import annotations
@@ -29,19 +29,35 @@ def tick_labels(axis) -> list[str]:
             and low * (1 - 1e-9) <= t.get_loc() <= high * (1 + 1e-9)]
 
 
-def _fix(axis) -> None:
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+def _log_ticks(low: float, high: float) -> list[float]:
+    """Round values inside [low, high] for a log axis: over a decade or more 1-2-5 (or 1 to
+    9) times powers of ten; over less, evenly spaced round numbers."""
+    from matplotlib.ticker import LogLocator, MaxNLocator
 
-    if len(tick_labels(axis)) >= MIN_LABELS:
-        return
-    low, high = sorted(axis.get_view_interval())
-    inner = (low + 0.05 * (high - low), high - 0.05 * (high - low))
-    if axis.get_scale() == "log":
-        inner = tuple(np.exp(np.log(low) + f * np.log(high / low)) for f in (0.05, 0.95))
-        ticks = np.geomspace(*inner, MIN_LABELS + 1)
+    if high / low < 10:
+        candidates = [MaxNLocator(MIN_LABELS + 1).tick_values(low, high)]
     else:
-        ticks = np.linspace(*inner, MIN_LABELS + 1)
-    ticks = [float(f"{t:.3g}") for t in ticks]
+        candidates = [LogLocator(subs=subs).tick_values(low, high)
+                      for subs in ((1.0,), (1.0, 2.0, 5.0), tuple(range(1, 10)))]
+    for ticks in candidates:
+        inside = [float(t) for t in ticks if low <= t <= high]
+        if len(inside) >= MIN_LABELS:
+            return inside
+    return [float(f"{t:.3g}") for t in np.geomspace(low, high, MIN_LABELS + 2)[1:-1]]
+
+
+def _fix(axis) -> None:
+    """Round, plainly labelled ticks on a log axis; a linear axis keeps matplotlib's unless
+    it has fewer than MIN_LABELS inside the view."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
+
+    low, high = sorted(axis.get_view_interval())
+    if axis.get_scale() == "log":
+        ticks = _log_ticks(low, high)
+    elif len(tick_labels(axis)) < MIN_LABELS:
+        ticks = MaxNLocator(MIN_LABELS + 1).tick_values(low, high)
+    else:
+        return
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(_label))
     axis.set_minor_formatter(NullFormatter())
@@ -49,12 +65,12 @@ def _fix(axis) -> None:
 
 def label_ticks(ax) -> None:
     """Give both axes of `ax` at least MIN_LABELS labelled ticks inside the current view
-    (categorical axes with fixed tick labels are left as they are)."""
+    (an axis with ticks set by hand, such as category names, is left as it is)."""
+    from matplotlib.ticker import FixedLocator
+
     ax.autoscale_view()
     ax.set_xlim(ax.get_xlim())  # fixed: ticks placed below must not move the view
     ax.set_ylim(ax.get_ylim())
     for axis in (ax.xaxis, ax.yaxis):
-        from matplotlib.ticker import FixedFormatter
-
-        if not isinstance(axis.get_major_formatter(), FixedFormatter):
+        if not isinstance(axis.get_major_locator(), FixedLocator):
             _fix(axis)

@@ -59,6 +59,9 @@ def lr_plot(tunings: list[Tuning]):
         ax.plot([float(dict(t.best.config)["lr"])], [t.best.mean], "*", ms=14,
                 color=f"C{index % 10}")
     ax.set_xscale("log")
+    lrs = sorted({float(dict(s.config)["lr"]) for t in tunings for s in t.members})
+    ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])  # the grid's values, labelled as given
+    ax.set_xticks([], minor=True)
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final validation loss (mean over seeds)")
     ax.legend(fontsize=7)
