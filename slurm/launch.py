@@ -12,7 +12,9 @@ records each rank's PID and exit status in a private directory. A stop signal (S
 SIGTERM, SIGINT) reaching this process is forwarded to the local ranks; torchrun itself
 ignores SIGUSR1, so a preemption warning lets training finish its step, save and exit 75
 (EXIT_PREEMPTED) instead of killing it. This process exits with the training's status: 0,
-75 when every rank stopped on a signal after the checkpoint, or the first failure.
+75 when every rank stopped on a signal after the checkpoint, or the first failure; a failure
+ends with its one-line cause (a rank's, slurm/worker.py; or the launcher's own), printed
+last, tagged on the MLflow run (exit_cause) and handed to train.sbatch.
 
 Nothing here needs Slurm: the tests start it twice on one machine as two "nodes" with
 --nnodes 2 --node-rank 0/1 --rdzv-host 127.0.0.1.

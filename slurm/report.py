@@ -1,13 +1,16 @@
 """`python -m slurm report --experiment NAME [--tracking-uri URI] --out DIR`: a study's report.
 
 Writes DIR/report.html, one self-contained page (tables, PNGs inline), and DIR/report.json
-with the same numbers. Sections: runs that failed or did not finish, by name (and runs of
-the sweep manifest that never started); final validation loss and perplexity per
-configuration over seeds; the best learning rate per architecture; paired differences
-against the baseline; the fitted scaling laws and compute multipliers (slurm/fit.py);
-downstream scores (`lm_eval/<task>/<metric>`); cost (slurm/report_cost.py); the DWA
-heatmaps at the end of training; every run's commit and config. The statistics are in
-slurm/report_stats.py.
+with the same numbers. Sections: runs that failed or did not finish, by name, each with its
+one-line cause (and runs of the sweep manifest that never started); final validation loss
+and perplexity per configuration over seeds (a dot plot with seed intervals,
+slurm/report_plots.py); the best learning rate per architecture; paired differences against
+the baseline; the scaling laws and compute multipliers (slurm/fit.py; only where an
+architecture has 3+ budgets spanning 4x, else why not); downstream scores
+(`lm_eval/<task>/<metric>`); cost, MFU against one peak for the whole study
+(slurm/report_cost.py, slurm/report_mfu.py); the DWA heatmaps at the end of training; every
+run's commit and config. The statistics are in slurm/report_stats.py. One number format per
+table column (report_html.column), labelled ticks on every plot axis (slurm/plot_ticks.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """`python -m slurm sweep SWEEP.yaml --dry-run | --submit`: one job array per sweep.
 
---submit writes the sweep directory (default runs/sweeps/<name>, or --out):
+--submit first runs every task's start-up checks (slurm/preflight.py; --no-preflight skips
+them) and exits 2 naming the task and the key before anything is written or queued; then it
+writes the sweep directory (default runs/sweeps/<name>, or --out):
 
     sweep.json          the manifest: every run's name, config, run dir, N, D, C, MLflow tags
     configs/<run>.yaml  each run's resolved training config (run.dir, tracking set)
