@@ -69,8 +69,13 @@ def failures(study: Study) -> list[tuple[str, str, str]]:
         if run.loss is not None:
             continue
         exit_status = run.tags.get("exit_status")
-        why = run.tags.get("exit_cause") or study.logs.get(run.name) or UNFINISHED.get(
-            run.status, "finished without a final val_loss (data.val_batches 0?)")
+        cause, log = run.tags.get("exit_cause"), study.logs.get(run.name)
+        if cause or (log and run.status == "FAILED"):
+            why = cause or log
+        else:  # still training, killed at a time limit, ...: what MLflow's status means
+            why = UNFINISHED.get(run.status, "finished without a final val_loss "
+                                 "(data.val_batches 0?)") + (f"; its log ends: {log}"
+                                                             if log else "")
         if exit_status not in (None, "0"):
             why += f"; Slurm task exit status {exit_status}"
         rows.append((run.name, run.status, why))
