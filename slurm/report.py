@@ -31,6 +31,7 @@ from slurm.fit import (
     fit_architectures,
     format_report,
     multipliers,
+    why_no_compute_law,
 )
 from slurm.report_cost import cost_section
 from slurm.report_data import ReportError, Study, StudyRun, load_study
@@ -170,14 +171,15 @@ def scaling_section(tunings: list[Tuning], baseline: str) -> tuple[str, dict]:
     if not fits:
         return "", {}
     mults = multipliers(fits, baseline)
+    no_fit = {a: why_no_compute_law([p.compute for p in f.points]) for a, f in fits.items()
+              if f.compute_law is None}
     summary = {"laws": {a: f.compute_law and asdict(f.compute_law) for a, f in fits.items()},
-               "no_fit": {a: f.note for a, f in fits.items() if f.compute_law is None},
+               "no_fit": no_fit,
                "multipliers": {a: [asdict(m) for m in ms] for a, ms in mults.items()}}
     title = "Scaling laws and compute multiplier"
     if not any(f.compute_law for f in fits.values()):
-        return section(title, paragraph(
-            "No scaling law, no compute multiplier: "
-            + "; ".join(f"{a}: {f.note}" for a, f in fits.items()))), summary
+        return section(title, paragraph("No scaling law, no compute multiplier."),
+                       *[paragraph(f"{a}: {why}.") for a, why in no_fit.items()]), summary
     from slurm.fit import compute_figure
 
     return section(
