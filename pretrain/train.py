@@ -63,31 +63,14 @@ class Trainer:
     """Owns the model, optimizer, data loader and run directory of one training run."""
 
     def __init__(self, cfg: Config):
-        from data_pipeline.index import read_index
         from data_pipeline.loader import TrainLoader
+        from pretrain.data_checks import check_data
         from pretrain.engine import build_engine
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
         self.layout = layout = setup_layout(cfg)
-        if cfg.data.path is None:
-            raise ConfigError("data.path", "is required: a directory written by "
-                              "`python -m data_pipeline prepare`")
-        self.index = read_index(cfg.data.path)
-        if cfg.model.vocab_size is not None and cfg.model.vocab_size < self.index.vocab_size:
-            raise ConfigError("model.vocab_size",  # a larger one is fine (reserved rows)
-                              f"{cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary of {self.index.vocab_size} in "
-                              f"{cfg.data.path}/index.json")
-        if self.index.seq_len < cfg.model.seq_len:
-            raise ConfigError("model.seq_len", f"{cfg.model.seq_len} exceeds the data's "
-                              f"sequence length {self.index.seq_len} ({cfg.data.path})")
-        val_samples = sum(s.num_samples for s in self.index.split_shards.get("val", []))
-        if cfg.data.val_batches and val_samples < cfg.train.batch_size:
-            raise ConfigError("data.path", f"{cfg.data.path} has {val_samples} validation "
-                              f"samples, fewer than one batch of train.batch_size="
-                              f"{cfg.train.batch_size}: prepare it with --val-fraction > 0, "
-                              "or set data.val_batches=0 to train without validation")
+        self.index = check_data(cfg)
         # The vocabulary comes from the data: a resolved copy of the config, not a mutation.
         cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(self.index.vocab_size))
         self.cfg = cfg

@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="KEY=VALUE", help="config override for every run")
     sweep.add_argument("--out", help="sweep directory (default: the file's out, or "
                        "runs/sweeps/<name>)")
+    sweep.add_argument("--no-preflight", action="store_true",
+                       help="submit without first running each task's start-up checks "
+                       "(data, tokenizer, shards, run directories): for data that only "
+                       "the compute nodes can see")
     sweep.add_argument("--tracking-uri", help="MLflow store (default: the file's "
                        "tracking_uri, or sqlite:///<out>/mlflow.db)")
 

@@ -28,11 +28,16 @@ from slurm.scaling import (
     ParamsTokensFit,
     can_fit_params_tokens,
     compute_multiplier,
+    distinct_count,
     fit_compute_law,
     fit_params_tokens,
 )
 
 FIT_KIND = "scaling_fit"
+# What an L(C) fit needs: a power law through fewer budgets, or over a narrower range, says
+# more than the runs do (two budgets 3% apart once gave alpha = 2.2).
+MIN_BUDGETS = 3
+MIN_SPAN = 4.0
 # What an unfinished run's MLflow status says about its task. Its last logged metrics are
 # not used: a loss from part-way through a run is not the loss of its planned D tokens.
 UNFINISHED = {
@@ -98,20 +103,29 @@ def load_points(client, experiment: str, metric: str = "val_loss",
     return points, skipped
 
 
+def why_no_compute_law(compute: list[float]) -> str | None:
+    """Why these compute budgets cannot carry an L(C) fit (fewer than MIN_BUDGETS distinct
+    budgets, or spanning less than MIN_SPAN); None when they can."""
+    budgets, span = distinct_count(compute), max(compute) / min(compute)
+    if budgets >= MIN_BUDGETS and span >= MIN_SPAN:
+        return None
+    return (f"no L(C) fit: {budgets} distinct compute budget(s) spanning {span:.3g}x; a "
+            f"law needs {MIN_BUDGETS}+ budgets spanning {MIN_SPAN:g}x or more")
+
+
 def fit_architectures(points: list[Point]) -> dict[str, ArchitectureFit]:
-    """Per architecture: the compute law (2+ compute values) and L(N, D) if the grid allows."""
+    """Per architecture: the compute law (MIN_BUDGETS+ budgets spanning MIN_SPAN x, else a
+    note saying why not) and L(N, D) if the grid allows."""
     fits = {}
     for arch in sorted({p.architecture for p in points}):
         own = [p for p in points if p.architecture == arch]
         compute = [p.compute for p in own]
         loss = [p.loss for p in own]
-        law, note = None, ""
-        if len(set(compute)) >= 2:
-            law = fit_compute_law(compute, loss)
-            if law.points < 3:
-                note = "2 points: exact line, no uncertainties. "
+        law, note = None, why_no_compute_law(compute)
+        if note is None:
+            law, note = fit_compute_law(compute, loss), ""
         else:
-            note = "fewer than 2 distinct compute values: no fit. "
+            note += ". "
         nd = None
         n, d = [p.n_params for p in own], [p.tokens for p in own]
         if can_fit_params_tokens(n, d):
@@ -122,14 +136,25 @@ def fit_architectures(points: list[Point]) -> dict[str, ArchitectureFit]:
     return fits
 
 
+def shared_budgets(fit: ArchitectureFit, base: ArchitectureFit) -> list[float]:
+    """Low end, geometric middle and high end of the compute range both laws were fitted
+    on (no extrapolation); [] when the ranges do not overlap."""
+    low = max(min(p.compute for p in fit.points), min(p.compute for p in base.points))
+    high = min(max(p.compute for p in fit.points), max(p.compute for p in base.points))
+    return [low, math.sqrt(low * high), high] if low <= high else []
+
+
 def multipliers(fits: dict[str, ArchitectureFit], baseline: str,
-                budgets: list[float]) -> dict[str, list[Multiplier]]:
-    """Compute multipliers of every other architecture over `baseline` at `budgets`."""
+                budgets: list[float] | None = None) -> dict[str, list[Multiplier]]:
+    """Compute multipliers of every other architecture with a law over `baseline` at
+    `budgets` (default: `shared_budgets` of each pair)."""
     base = fits.get(baseline)
     if base is None or base.compute_law is None:
         return {}
-    return {arch: compute_multiplier(fit.compute_law, base.compute_law, budgets)
-            for arch, fit in fits.items() if arch != baseline and fit.compute_law is not None}
+    return {arch: compute_multiplier(fit.compute_law, base.compute_law,
+                                     budgets or shared_budgets(fit, base))
+            for arch, fit in fits.items() if arch != baseline and fit.compute_law is not None
+            and (budgets or shared_budgets(fit, base))}
 
 
 def _pm(value: float, error: float) -> str:
@@ -163,7 +188,8 @@ def format_report(fits: dict[str, ArchitectureFit], mults: dict[str, list[Multip
                 interval = f" [{m.low:.3g}, {m.high:.3g}]" if math.isfinite(m.low) else ""
                 lines.append(f"  {arch} at C = {m.compute:.3g}: {m.value:.3g}x{interval}")
     else:
-        lines.append(f"compute multiplier: no fit for the baseline {baseline!r}")
+        lines.append(f"compute multiplier: none: it needs an L(C) fit of the baseline "
+                     f"{baseline!r} and of another architecture over a shared compute range")
     return "\n".join(lines)
 
 
@@ -171,43 +197,48 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def plot_compute(fits: dict[str, ArchitectureFit], out_png: Path, only: str | None = None,
-                 baseline: str | None = None) -> Path:
-    """Loss against compute (log-log), points and fitted laws."""
+def compute_figure(fits: dict[str, ArchitectureFit], only: str | None = None,
+                   baseline: str | None = None):
+    """Loss against compute (log-log): the runs, and each fitted law over the range of its
+    own runs only (no extrapolation); labelled ticks on both axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FormatStrFormatter
 
-    fig = Figure(figsize=(7, 4.5), dpi=100)
+    from slurm.plot_ticks import label_ticks
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    everything = [p.compute for f in fits.values() for p in f.points]
-    grid = np.geomspace(min(everything) / 1.5, max(everything) * 1.5, 100)
     for index, (arch, fit) in enumerate(fits.items()):
-        color = f"C{index}"
+        color, law = f"C{index}", fit.compute_law
+        compute = [p.compute for p in fit.points]
+        grid = np.geomspace(min(compute), max(compute), 50)
         if only is not None and arch != only:
-            if arch == baseline and fit.compute_law is not None:
-                ax.plot(grid, fit.compute_law.loss(grid), "--", color="0.5", lw=1,
+            if arch == baseline and law is not None:
+                ax.plot(grid, law.loss(grid), "--", color="0.5", lw=1,
                         label=f"{arch} fit (baseline)")
             continue
-        ax.plot([p.compute for p in fit.points], [p.loss for p in fit.points], "o",
-                color=color, label=f"{arch} runs")
-        law = fit.compute_law
+        ax.plot(compute, [p.loss for p in fit.points], "o", color=color,
+                label=f"{arch} runs" + ("" if law else " (no L(C) fit)"))
         if law is not None:
             ax.plot(grid, law.loss(grid), "-", color=color,
                     label=f"{arch}: {law.a:.3g} C^-{law.alpha:.3g}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
     ax.set_xlabel("compute C = 6 N D (FLOPs)")
     ax.set_ylabel("final validation loss")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     ax.set_title(f"loss vs compute: {only}" if only else "loss vs compute")
-    fig.tight_layout()
+    label_ticks(ax)
+    return fig
+
+
+def plot_compute(fits: dict[str, ArchitectureFit], out_png: Path, only: str | None = None,
+                 baseline: str | None = None) -> Path:
+    """`compute_figure` written as a PNG."""
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
+    compute_figure(fits, only, baseline).savefig(out_png)
     return out_png
 
 
@@ -245,9 +276,6 @@ def cmd_fit(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     fits = fit_architectures(points)
-    if budgets is None:
-        c = sorted(p.compute for p in points)
-        budgets = [c[0], math.sqrt(c[0] * c[-1]), c[-1]]
     mults = multipliers(fits, args.baseline, budgets)
     print(format_report(fits, mults, args.baseline))
 

@@ -12,7 +12,9 @@ records each rank's PID and exit status in a private directory. A stop signal (S
 SIGTERM, SIGINT) reaching this process is forwarded to the local ranks; torchrun itself
 ignores SIGUSR1, so a preemption warning lets training finish its step, save and exit 75
 (EXIT_PREEMPTED) instead of killing it. This process exits with the training's status: 0,
-75 when every rank stopped on a signal after the checkpoint, or the first failure.
+75 when every rank stopped on a signal after the checkpoint, or the first failure; a failure
+ends with its one-line cause (a rank's, slurm/worker.py; or the launcher's own), printed
+last, tagged on the MLflow run (exit_cause) and handed to train.sbatch.
 
 Nothing here needs Slurm: the tests start it twice on one machine as two "nodes" with
 --nnodes 2 --node-rank 0/1 --rdzv-host 127.0.0.1.
@@ -140,9 +142,10 @@ def rendezvous_from(args: argparse.Namespace, env: dict) -> Rendezvous:
 
 
 def torchrun_command(rdzv: Rendezvous, worker_args: list[str]) -> list[str]:
-    """torchrun with a c10d rendezvous that node 0 hosts, running slurm.worker."""
+    """torchrun (slurm/torchrun.py: one line per failed rank, no traceback) with a c10d
+    rendezvous that node 0 hosts, running slurm.worker."""
     conf = f"join_timeout={rdzv.join_timeout},is_host={'1' if rdzv.node_rank == 0 else '0'}"
-    return [sys.executable, "-m", "torch.distributed.run",
+    return [sys.executable, "-m", "slurm.torchrun",
             f"--nnodes={rdzv.nnodes}", f"--nproc-per-node={rdzv.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}",
             f"--rdzv-id={rdzv.run_id}", f"--rdzv-conf={conf}", "--max-restarts=0",
@@ -251,9 +254,9 @@ def combine_statuses(child_status: int, rank_statuses: dict[str, int]) -> int:
 
 
 def run_ranks(command: list[str], env: dict[str, str],
-              launch_dir: Path) -> tuple[int, dict[str, int], bool]:
+              launch_dir: Path) -> tuple[int, dict[str, int], bool, str | None]:
     """Start the child, forward stop signals, wait: (child status, {rank: status}, whether
-    any rank started)."""
+    any rank started, the one-line cause of the lowest failed rank that wrote one)."""
     env = {**env, LAUNCH_DIR_ENV: str(launch_dir)}
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")  # let a checkpoint finish
     with SignalForwarder(launch_dir):
@@ -265,7 +268,9 @@ def run_ranks(command: list[str], env: dict[str, str],
         except ValueError:
             pass
     started = any(launch_dir.glob("rank-*.pid"))
-    return (status if status >= 0 else 128 - status), statuses, started
+    causes = sorted(launch_dir.glob("rank-*.cause"), key=lambda p: int(p.name[5:-6]))
+    cause = causes[0].read_text().strip() if causes else None
+    return (status if status >= 0 else 128 - status), statuses, started, cause
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -285,16 +290,14 @@ def launch(args: argparse.Namespace) -> int:
             task, config, overrides = None, args.config, list(args.overrides)
         overrides = training_overrides(config, overrides, env)
     except (LaunchError, SweepError, ConfigError) as err:
-        print(f"launcher: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(str(err), env)
     worker_args = ["train", "--config", config, *[x for o in overrides for x in ("--set", o)]]
     mode = args.mode or env.get(ENV_PREFIX + "LAUNCHER", "torchrun")
     if mode == "srun":
         try:
             env.update(srun_rank_env(rdzv, env))
         except LaunchError as err:
-            print(f"launcher: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
+            return _refuse(str(err), env)
         command = [sys.executable, "-m", "slurm.worker", *worker_args]
         where = f"rank {env['RANK']} of {env['WORLD_SIZE']}, master {rdzv.endpoint}"
     elif mode == "torchrun":
@@ -303,8 +306,7 @@ def launch(args: argparse.Namespace) -> int:
                  f"node, c10d rendezvous {rdzv.endpoint} (id {rdzv.run_id}, join timeout "
                  f"{rdzv.join_timeout}s)")
     else:
-        print(f"launcher: error: mode {mode!r}: use torchrun or srun", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(f"mode {mode!r}: use torchrun or srun", env)
     if task is not None:
         from pretrain.tracking import RUN_TAGS_ENV
 
@@ -319,31 +321,56 @@ def launch(args: argparse.Namespace) -> int:
     launch_dir = Path(tempfile.mkdtemp(prefix="denseformer-launch-"))
     started_at = time.monotonic()
     try:
-        child_status, rank_statuses, started = run_ranks(command, env, launch_dir)
+        child_status, rank_statuses, started, cause = run_ranks(command, env, launch_dir)
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)
     status = combine_statuses(child_status, rank_statuses)
     elapsed = time.monotonic() - started_at
-    if status == EXIT_PREEMPTED:
-        print(f"launcher: training stopped on a signal after saving a checkpoint (exit "
-              f"{EXIT_PREEMPTED}); resume with train.resume=auto", file=sys.stderr, flush=True)
-    elif status != 0 and not started and mode == "torchrun":
-        print(f"launcher: error: no training process started within {elapsed:.0f}s: the c10d "
-              f"rendezvous at {rdzv.endpoint} did not complete; {rdzv.nnodes} nodes were "
-              f"expected within the join timeout of {rdzv.join_timeout}s (is every node "
-              f"running the launcher, and can it reach {rdzv.endpoint}?)",
-              file=sys.stderr, flush=True)
-    elif status != 0:
-        print(f"launcher: training failed with exit status {status}", file=sys.stderr,
-              flush=True)
+    if status != 0 and not started and mode == "torchrun":
+        cause = (f"no training process started within {elapsed:.0f}s: the c10d rendezvous at "
+                 f"{rdzv.endpoint} did not complete; {rdzv.nnodes} nodes were expected within "
+                 f"the join timeout of {rdzv.join_timeout}s (is every node running the "
+                 f"launcher, and can it reach {rdzv.endpoint}?)")
+    elif status not in (0, EXIT_PREEMPTED):
+        cause = cause or f"training failed with exit status {status}"
     if task is not None and (mode == "torchrun" and rdzv.node_rank == 0
                              or mode == "srun" and env.get("RANK") == "0"):
         from slurm.sweep import after_training, tag_finished_task
 
         if status == 0:
             task.tags.update(after_training(task, env))
-        tag_finished_task(task, status)
+        tag_finished_task(task, status, cause)
+    # Last, so that a failed job's log ends with why (train.sbatch repeats it after the
+    # status): nothing of torchrun's or of the MLflow tagging comes after it.
+    if status == EXIT_PREEMPTED:
+        print(f"launcher: training stopped on a signal after saving a checkpoint (exit "
+              f"{EXIT_PREEMPTED}); resume with train.resume=auto", file=sys.stderr, flush=True)
+    elif status != 0:
+        write_cause(cause, env)
+        print(f"launcher: error: {cause}", file=sys.stderr, flush=True)
     return status
+
+
+CAUSE_FILE_ENV = ENV_PREFIX + "CAUSE_FILE"  # set by slurm/train.sbatch
+
+
+def _refuse(cause: str, env: dict) -> int:
+    """Nothing started: say why (last) and exit 2."""
+    write_cause(cause, env)
+    print(f"launcher: error: {cause}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def write_cause(cause: str, env: dict) -> None:
+    """Hand the one-line cause to train.sbatch (the file $DENSEFORMER_CAUSE_FILE), which
+    ends the job's log with it after the exit status."""
+    path = env.get(CAUSE_FILE_ENV)
+    if path:
+        try:
+            Path(path).write_text(cause + "\n")
+        except OSError as err:
+            print(f"launcher: warning: cannot write {CAUSE_FILE_ENV}={path}: {err}",
+                  file=sys.stderr, flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,16 @@
 """`python -m slurm report --experiment NAME [--tracking-uri URI] --out DIR`: a study's report.
 
 Writes DIR/report.html, one self-contained page (tables, PNGs inline), and DIR/report.json
-with the same numbers. Sections: runs that failed or did not finish, by name (and runs of
-the sweep manifest that never started); final validation loss and perplexity per
-configuration over seeds; the best learning rate per architecture; paired differences
-against the baseline; the fitted scaling laws and compute multipliers (slurm/fit.py);
-downstream scores (`lm_eval/<task>/<metric>`); cost (slurm/report_cost.py); the DWA
-heatmaps at the end of training; every run's commit and config. The statistics are in
-slurm/report_stats.py.
+with the same numbers. Sections: runs that failed or did not finish, by name, each with its
+one-line cause (and runs of the sweep manifest that never started); final validation loss
+and perplexity per configuration over seeds (a dot plot with seed intervals,
+slurm/report_plots.py); the best learning rate per architecture; paired differences against
+the baseline; the scaling laws and compute multipliers (slurm/fit.py; only where an
+architecture has 3+ budgets spanning 4x, else why not); downstream scores
+(`lm_eval/<task>/<metric>`); cost, MFU against one peak for the whole study
+(slurm/report_cost.py, slurm/report_mfu.py); the DWA heatmaps at the end of training; every
+run's commit and config. The statistics are in slurm/report_stats.py. One number format per
+table column (report_html.column), labelled ticks on every plot axis (slurm/plot_ticks.py).
 """
 
 from __future__ import annotations
@@ -15,27 +18,36 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from slurm.fit import UNFINISHED, Point, fit_architectures, format_report, multipliers
-from slurm.report_cost import cost_of
+from slurm.fit import (
+    MIN_BUDGETS,
+    MIN_SPAN,
+    UNFINISHED,
+    Point,
+    fit_architectures,
+    format_report,
+    multipliers,
+    why_no_compute_law,
+)
+from slurm.report_cost import cost_section
 from slurm.report_data import ReportError, Study, StudyRun, load_study
 from slurm.report_html import (
     Raw,
+    column,
     esc,
-    figure,
-    num,
     page,
     paragraph,
     png_of,
     png_tag,
     section,
-    size,
     table,
 )
+from slurm.report_mfu import parse_peak, study_peak
+from slurm.report_plots import loss_dot_plot, lr_plot
 from slurm.report_stats import (
     Paired,
     SeedStats,
@@ -51,20 +63,26 @@ LM_EVAL_PREFIX = "lm_eval/"
 
 
 def failures(study: Study) -> list[tuple[str, str, str]]:
-    """(run, status, why) of every run without a usable final validation loss."""
+    """(run, status, why) of every run without a usable final validation loss; a failed
+    run's why is its one-line cause (tag exit_cause, else the last line of its Slurm log)."""
     rows = []
     for run in study.runs:
         if run.loss is not None:
             continue
         exit_status = run.tags.get("exit_status")
-        why = UNFINISHED.get(run.status, "finished without a final val_loss "
-                             "(data.val_batches 0?)")
+        cause, log = run.tags.get("exit_cause"), study.logs.get(run.name)
+        if cause or (log and run.status == "FAILED"):
+            why = cause or log
+        else:  # still training, killed at a time limit, ...: what MLflow's status means
+            why = UNFINISHED.get(run.status, "finished without a final val_loss "
+                                 "(data.val_batches 0?)") + (f"; its log ends: {log}"
+                                                             if log else "")
         if exit_status not in (None, "0"):
             why += f"; Slurm task exit status {exit_status}"
         rows.append((run.name, run.status, why))
     for name in study.never_started:
         if name in study.logs:  # failed before training opened its MLflow run
-            rows.append((name, "FAILED", f"no MLflow run; its Slurm log: {study.logs[name]}"))
+            rows.append((name, "FAILED", f"{study.logs[name]}; no MLflow run"))
         else:
             rows.append((name, "NEVER STARTED", "in the sweep manifest, no MLflow run: still "
                          "queued, or cancelled (a dependent run whose parent failed)"))
@@ -73,42 +91,14 @@ def failures(study: Study) -> list[tuple[str, str, str]]:
 
 def _loss_rows(stats: list[SeedStats], best: set) -> tuple[list, list[int]]:
     rows, marked = [], []
+    ppl = column([s.ppl_mean for s in stats])
     for index, s in enumerate(stats):
         if s.config in best:
             marked.append(index)
-        spread = f"± {num(s.std, 2)}" if s.n > 1 else "(1 seed)"
+        spread = f"± {s.std:.4f}" if s.n > 1 else "(1 seed)"
         per_seed = ", ".join(f"s{r.grid('seed')}: {r.loss:.4f}" for r in s.runs)
-        rows.append((label(s.config), s.n, f"{s.mean:.4f} {spread}", num(s.ppl_mean),
-                     per_seed))
+        rows.append((label(s.config), s.n, f"{s.mean:.4f} {spread}", ppl[index], per_seed))
     return rows, marked
-
-
-def _bar_chart(tunings: list[Tuning]) -> bytes:
-    fig, ax = figure(7, 0.5 + 0.35 * len(tunings))
-    names = [label(t.best.config) for t in tunings]
-    ax.barh(range(len(tunings)), [t.best.mean for t in tunings],
-            xerr=[t.best.std if t.best.n > 1 else 0 for t in tunings], color="C0", alpha=0.8)
-    ax.set_yticks(range(len(tunings)), names, fontsize=8)
-    low = min(t.best.mean for t in tunings)
-    high = max(t.best.mean + (t.best.std if t.best.n > 1 else 0) for t in tunings)
-    ax.set_xlim(low - 0.1 * (high - low + 1e-3) - 0.02, high + 0.02)
-    ax.set_xlabel("final validation loss (mean over seeds, ± sample std)")
-    return png_of(fig)
-
-
-def _lr_chart(tunings: list[Tuning]) -> bytes:
-    fig, ax = figure()
-    for index, t in enumerate(tunings):
-        points = sorted((float(dict(s.config)["lr"]), s.mean) for s in t.members)
-        ax.plot(*zip(*points, strict=True), "o-", color=f"C{index % 10}", label=label(t.group))
-        ax.plot([float(dict(t.best.config)["lr"])], [t.best.mean], "*", ms=14,
-                color=f"C{index % 10}")
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final validation loss (mean)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    return png_of(fig)
 
 
 def losses_section(stats: list[SeedStats], tunings: list[Tuning]) -> str:
@@ -120,8 +110,9 @@ def losses_section(stats: list[SeedStats], tunings: list[Tuning]) -> str:
                   "below (each architecture's best learning rate)."),
         table(["configuration", "seeds", "val loss", "val ppl", "per seed"], rows,
               numeric=(1, 2, 3), marked=marked),
-        png_tag(_bar_chart(tunings), "loss per configuration",
-                "final validation loss of the compared configurations"))
+        png_tag(png_of(loss_dot_plot(tunings)), "loss per configuration",
+                "final validation loss of the compared configurations: each seed (grey), "
+                "the mean (diamond) and its 95% Student-t interval over seeds"))
 
 
 def tuning_section(tunings: list[Tuning]) -> str:
@@ -145,7 +136,7 @@ def tuning_section(tunings: list[Tuning]) -> str:
              table(["architecture and shape", "best lr", "best warm-up", "val loss",
                     "tried (best first)"], rows, numeric=(1, 2, 3))]
     if all("lr" in dict(s.config) for t in tuned for s in t.members):
-        parts.append(png_tag(_lr_chart(tuned), "loss vs learning rate",
+        parts.append(png_tag(png_of(lr_plot(tuned)), "loss vs learning rate",
                              "final validation loss against learning rate (star: best)"))
     return section("Best learning rate per architecture", *parts)
 
@@ -156,7 +147,8 @@ def paired_section(paired: list[Paired], baseline: str) -> str:
             f"No pairs: no run of another architecture shares its configuration, seed and "
             f"data order with a run of the baseline {baseline!r}."))
     rows = [(p.architecture, label(p.context), len(p.pairs), f"{p.mean:+.4f}",
-             num(p.std, 2), f"[{num(p.low)}, {num(p.high)}]" if math.isfinite(p.low) else "—",
+             f"{p.std:.4f}" if math.isfinite(p.std) else "—",
+             f"[{p.low:+.4f}, {p.high:+.4f}]" if math.isfinite(p.low) else "—",
              f"{p.wins} of {len(p.pairs)}") for p in paired]
     detail = [(p.architecture, a, b, f"{d:+.4f}") for p in paired for a, b, d in p.pairs]
     return section(
@@ -176,25 +168,31 @@ def scaling_section(tunings: list[Tuning], baseline: str) -> tuple[str, dict]:
               for t in tunings if "from" not in dict(t.group)
               for r in t.best.runs if {"N", "D", "C"} <= set(r.tags)]
     fits = fit_architectures(points) if points else {}
-    if not any(f.compute_law for f in fits.values()):
+    if not fits:
         return "", {}
-    from slurm.fit import plot_compute
-
-    compute = sorted(p.compute for p in points)
-    budgets = [compute[0], math.sqrt(compute[0] * compute[-1]), compute[-1]]
-    mults = multipliers(fits, baseline, budgets)
-    with tempfile.TemporaryDirectory() as tmp:
-        png = plot_compute(fits, Path(tmp) / "fit.png").read_bytes()
+    mults = multipliers(fits, baseline)
+    no_fit = {a: why_no_compute_law([p.compute for p in f.points]) for a, f in fits.items()
+              if f.compute_law is None}
     summary = {"laws": {a: f.compute_law and asdict(f.compute_law) for a, f in fits.items()},
+               "no_fit": no_fit,
                "multipliers": {a: [asdict(m) for m in ms] for a, ms in mults.items()}}
+    title = "Scaling laws and compute multiplier"
+    if not any(f.compute_law for f in fits.values()):
+        return section(title, paragraph("No scaling law, no compute multiplier."),
+                       *[paragraph(f"{a}: {why}.") for a, why in no_fit.items()]), summary
+    from slurm.fit import compute_figure
+
     return section(
-        "Scaling laws and compute multiplier",
-        paragraph("Fitted on each architecture's best-learning-rate runs (python -m slurm fit "
-                  "fits every run). L(C) = A C^-alpha with standard errors; L(N, D) when the "
-                  "grid allows; the compute multiplier over the baseline with its 68% "
-                  "interval."),
+        title,
+        paragraph(f"Fitted on each architecture's best-learning-rate runs (python -m slurm "
+                  f"fit fits every run), only where they hold {MIN_BUDGETS}+ compute budgets "
+                  f"spanning {MIN_SPAN:g}x or more. L(C) = A C^-alpha with standard errors, "
+                  "drawn over its own runs' range; L(N, D) when the grid allows; the compute "
+                  "multiplier over the baseline with its 68% interval, within the compute "
+                  "range both laws were fitted on."),
         f"<pre>{esc(format_report(fits, mults, baseline))}</pre>",
-        png_tag(png, "loss vs compute", "final validation loss against compute C = 6ND")
+        png_tag(png_of(compute_figure(fits)), "loss vs compute",
+                "final validation loss against compute C = 6ND")
     ), summary
 
 
@@ -203,44 +201,16 @@ def downstream_section(stats: list[SeedStats]) -> str:
                    if k.startswith(LM_EVAL_PREFIX)})
     if not keys:
         return ""
-    rows = []
-    for s in stats:
-        values = []
-        for key in keys:
-            got = [r.metrics[key] for r in s.runs if key in r.metrics]
-            values.append(num(sum(got) / len(got)) if got else "—")
-        rows.append((label(s.config), s.n, *values))
+    means = [[statistics.fmean(got) if (got := [r.metrics[key] for r in s.runs
+                                                  if key in r.metrics]) else None
+              for s in stats] for key in keys]
+    cells = [column(values) for values in means]
+    rows = [(label(s.config), s.n, *[c[i] for c in cells]) for i, s in enumerate(stats)]
     return section("Downstream scores",
                    paragraph("lm-evaluation-harness scores on the final checkpoints (mean over "
                              "seeds), as logged by python -m pretrain lm-eval."),
                    table(["configuration", "seeds", *[k[len(LM_EVAL_PREFIX):] for k in keys]],
                          rows, numeric=range(1, len(keys) + 2)))
-
-
-def cost_section(runs: list[StudyRun]) -> str:
-    rows, notes = [], []
-    for run in runs:
-        cost = cost_of(run)
-        rows.append((run.name, num(cost.tokens_per_s), num(cost.step_seconds, 3),
-                     f"{cost.mfu:.1%}" if cost.mfu is not None else "—",
-                     size(cost.train_bytes.get("none")), size(cost.train_bytes.get("block")),
-                     size(cost.kv_cache_bytes), size(cost.dwa_decode_bytes),
-                     num(cost.prefill_tokens_per_s), num(cost.decode_tokens_per_s)))
-        if cost.note:
-            notes.append(f"{run.name}: {cost.note}")
-    return section(
-        "Cost",
-        paragraph("Measured: medians over each run's steps (the first two left out). "
-                  "Estimated (parallel.memory, parallel.inference_memory) from the run's "
-                  "config at one data-parallel rank: training memory of the fullest rank "
-                  "without and with block activation checkpointing; for generation at batch "
-                  "1 and the full context, the KV cache and the DWA state of a decode step. "
-                  "Generation speed: measured after training when the sweep has inference: "
-                  "(slurm/inference_speed.py)."),
-        table(["run", "tokens/s", "step s", "MFU", "train mem", "train mem (ckpt)",
-               "KV cache", "DWA decode state", "prefill tok/s", "decode tok/s"], rows,
-              numeric=range(1, 10)),
-        "".join(paragraph(n) for n in notes))
 
 
 def heatmap_section(runs: list[StudyRun]) -> str:
@@ -260,13 +230,15 @@ def runs_section(runs: list[StudyRun]) -> str:
         config = (Raw(f"<details><summary>config.yaml</summary><pre>{esc(run.config_text)}"
                       "</pre></details>") if run.config_text else "—")
         rows.append((run.name, run.status, run.tags.get("git_commit", "—")[:12],
-                     num(run.loss), config))
+                     f"{run.loss:.4f}" if run.loss is not None else "—", config))
     return section("Runs", table(["run", "status", "commit", "val loss", "config"], rows,
                                  numeric=(3,)))
 
 
-def build_report(study: Study, baseline: str) -> tuple[str, dict]:
-    """The HTML page and the JSON summary of a study."""
+def build_report(study: Study, baseline: str,
+                 mfu_peak: float | None = None) -> tuple[str, dict]:
+    """The HTML page and the JSON summary of a study; `mfu_peak`: the declared MFU peak
+    (FLOP/s), else one chosen for the whole study (slurm/report_mfu.py)."""
     stats = seed_stats(study.runs)
     tunings = best_of(stats)
     paired = paired_differences(tunings, baseline)
@@ -285,8 +257,9 @@ def build_report(study: Study, baseline: str) -> tuple[str, dict]:
                  paired_section(paired, baseline)]
         scaling, laws = scaling_section(tunings, baseline)
         body.append(scaling)
-    body += [downstream_section(stats), cost_section(study.runs),
-             heatmap_section(study.runs), runs_section(study.runs)]
+    cost, costs = cost_section(study.runs, study_peak(study.runs, mfu_peak))
+    body += [downstream_section(stats), cost, heatmap_section(study.runs),
+             runs_section(study.runs)]
     summary = {
         "experiment": study.experiment, "tracking_uri": study.tracking_uri,
         "baseline": baseline,
@@ -302,7 +275,7 @@ def build_report(study: Study, baseline: str) -> tuple[str, dict]:
         "paired": [{"architecture": p.architecture, "context": label(p.context),
                     "pairs": len(p.pairs), "mean": p.mean, "std": p.std, "low": p.low,
                     "high": p.high} for p in paired],
-        **laws}
+        **laws, **costs}
     return page(f"Study report: {study.experiment}", body), summary
 
 
@@ -328,6 +301,7 @@ def cmd_report(args) -> int:
         if not uri:
             raise ReportError("--tracking-uri is required (or MLFLOW_TRACKING_URI); a sweep's "
                               "default store is sqlite:///<sweep dir>/mlflow.db")
+        mfu_peak = parse_peak(args.mfu_peak) if args.mfu_peak else None
         try:
             with bounded_http_requests():
                 study = load_study(mlflow_client(uri), args.experiment, uri, args.sweep)
@@ -336,7 +310,7 @@ def cmd_report(args) -> int:
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    html_text, summary = build_report(study, args.baseline)
+    html_text, summary = build_report(study, args.baseline, mfu_peak)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.html").write_text(html_text)
@@ -359,3 +333,7 @@ def add_arguments(parser) -> None:
                         help="architecture the paired differences and multipliers compare "
                              "against")
     parser.add_argument("--sweep", help="only runs with this sweep_id tag")
+    parser.add_argument("--mfu-peak", help="the one peak every run's MFU is taken against: "
+                        "FLOP/s (989e12) or a device of pretrain/mfu.py's table (H100: its "
+                        "dense bf16 peak); default: the runs' common datasheet peak, or on a "
+                        "CPU the median of their measured matmuls")

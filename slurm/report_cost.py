@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm.report_data import StudyRun
+from slurm.report_html import column, paragraph, section, sizes, table
+from slurm.report_mfu import StudyPeak, study_mfu
 
 
 @dataclass
 class Cost:
     tokens_per_s: float | None
     step_seconds: float | None
-    mfu: float | None
+    mfu: float | None  # against the study's one peak (slurm/report_mfu.py)
     train_bytes: dict[str, float]  # activation checkpointing mode -> fullest rank's bytes
     kv_cache_bytes: float | None
     dwa_decode_bytes: float | None
@@ -48,9 +50,10 @@ def _config(run: StudyRun):
     return cfg, (cfg.model.with_vocab(vocab) if vocab else None)
 
 
-def cost_of(run: StudyRun) -> Cost:
-    """The run's measured speed and estimated memory (what cannot be known is None)."""
-    tokens_per_s, mfu = run.speed.get("tokens_per_s"), run.speed.get("mfu")
+def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
+    """The run's measured speed, its MFU against the study's `peak`, and its estimated
+    memory (what cannot be known is None)."""
+    tokens_per_s, mfu = run.speed.get("tokens_per_s"), study_mfu(run, peak)
     step = None
     batch, seq = run.params.get("train.batch_size"), run.params.get("model.seq_len")
     if tokens_per_s and batch and seq:
@@ -84,3 +87,47 @@ def cost_of(run: StudyRun) -> Cost:
                                  dtype="bf16" if device == "cuda" else "fp32")
     cost.kv_cache_bytes, cost.dwa_decode_bytes = rank.kv_cache_bytes, rank.dwa_decode_bytes
     return cost
+
+
+def cost_section(runs: list[StudyRun], peak: StudyPeak) -> tuple[str, dict]:
+    """The Cost section (one number format per column) and its figures for report.json."""
+    costs = [cost_of(run, peak) for run in runs]
+    columns = [
+        column([c.tokens_per_s for c in costs]), column([c.step_seconds for c in costs], 3),
+        column([None if c.mfu is None else 100 * c.mfu for c in costs], 3, "%"),
+        sizes([c.train_bytes.get("none") for c in costs]),
+        sizes([c.train_bytes.get("block") for c in costs]),
+        sizes([c.kv_cache_bytes for c in costs]), sizes([c.dwa_decode_bytes for c in costs]),
+        column([c.prefill_tokens_per_s for c in costs]),
+        column([c.decode_tokens_per_s for c in costs])]
+    rows = [(run.name, *[cells[i] for cells in columns]) for i, run in enumerate(runs)]
+    notes = [f"{run.name}: {cost.note}" for run, cost in zip(runs, costs, strict=True)
+             if cost.note]
+    if peak.flops is None:
+        mfu_note = f"MFU: not shown: {peak.why}."
+    elif peak.comparable:
+        mfu_note = (f"MFU: model FLOP/s per device over one peak for every run, {peak.source}.")
+    else:
+        mfu_note = (f"{peak.header}: model FLOP/s per device over one matmul speed for every "
+                    f"run, {peak.source}. It is relative to a matmul measured on this "
+                    "machine and not comparable across machines (nor with a GPU's MFU); "
+                    "compare the runs by tokens/s.")
+    html = section(
+        "Cost",
+        paragraph("Measured: medians over each run's steps (the first two left out). "
+                  "Estimated (parallel.memory, parallel.inference_memory) from the run's "
+                  "config at one data-parallel rank: training memory of the fullest rank "
+                  "without and with block activation checkpointing; for generation at batch "
+                  "1 and the full context, the KV cache and the DWA state of a decode step. "
+                  "Generation speed: measured after training when the sweep has inference: "
+                  "(slurm/inference_speed.py)."),
+        paragraph(mfu_note),
+        table(["run", "tokens/s", "step s", peak.header, "train mem", "train mem (ckpt)",
+               "KV cache", "DWA decode state", "prefill tok/s", "decode tok/s"], rows,
+              numeric=range(1, 10)),
+        "".join(paragraph(n) for n in notes))
+    summary = {"mfu_peak": {"flops": peak.flops, "source": peak.source,
+                            "comparable_across_machines": peak.comparable, "why": peak.why},
+               "cost": {run.name: {"tokens_per_s": c.tokens_per_s, "mfu": c.mfu}
+                        for run, c in zip(runs, costs, strict=True)}}
+    return html, summary

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ class StudyRun:
     tags: dict[str, str]
     params: dict[str, str]
     metrics: dict[str, float]  # the last value of each metric
-    speed: dict[str, float] = field(default_factory=dict)  # medians over the steps
+    speed: dict[str, float] = field(default_factory=dict)  # medians over the steps (_speed)
     config_text: str | None = None
     dwa_png: bytes | None = None
     dwa_name: str | None = None
@@ -62,25 +63,52 @@ class Study:
     runs: list[StudyRun]
     never_started: list[str]  # manifest runs without an MLflow run
     manifest: dict[str, Any] | None
-    logs: dict[str, str] = field(default_factory=dict)  # run -> its Slurm log's last status
+    logs: dict[str, str] = field(default_factory=dict)  # failed run -> its log's last line
 
 
-def last_status_line(sweep_dir: Path, index: int) -> str | None:
-    """The last "training exited with status N" of the Slurm log of manifest run `index`
-    (<sweep dir>/logs/<sweep>-<job>_<index>.out), naming the log; None without one."""
+LOG_PREFIXES = (re.compile(r"\[train\.sbatch [^\]]*\] "), re.compile(r"launcher: error: "))
+
+
+def last_log_line(sweep_dir: Path, index: int) -> str | None:
+    """The last line of the newest Slurm log of manifest run `index`
+    (<sweep dir>/logs/<sweep>-<job>_<index>.out), naming the log; None without one. A failed
+    task ends its log with its one-line cause (slurm/train.sbatch, slurm/launch.py)."""
     logs = sorted((sweep_dir / "logs").glob(f"*_{index}.out"), key=lambda p: p.stat().st_mtime)
     for log in reversed(logs):
-        lines = [line for line in log.read_text(errors="replace").splitlines()
-                 if "training exited with status" in line]
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if line.strip()]
         if lines:
-            return f"{lines[-1].split('] ')[-1]} ({log})"
+            line = lines[-1]
+            for prefix in LOG_PREFIXES:
+                line = prefix.sub("", line, count=1)
+            return f"{line} ({log})"
     return None
 
 
-def _median_history(client, run_id: str, key: str) -> float | None:
-    values = [m.value for m in client.get_metric_history(run_id, key)
-              if m.step > WARMUP_STEPS_SKIPPED and math.isfinite(m.value)]
-    return statistics.median(values) if values else None
+def _history(client, run_id: str, key: str) -> dict[int, float]:
+    """{step: value} of a metric, the first steps (start-up work) left out."""
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)
+            if m.step > WARMUP_STEPS_SKIPPED and math.isfinite(m.value)}
+
+
+def _speed(client, run_id: str, metrics: dict, params: dict) -> dict[str, float]:
+    """Medians over the steps: tokens/s, the run's own MFU and its peak, and the model
+    FLOP/s per device it achieved (its MFU times the peak it was measured against, step by
+    step), from which the report takes MFU against one peak for the whole study
+    (slurm/report_mfu.py)."""
+    speed, histories = {}, {}
+    for key in (*SPEED_METRICS, "mfu_peak_flops"):
+        if key in metrics:
+            histories[key] = _history(client, run_id, key)
+            if histories[key]:
+                speed[key] = statistics.median(histories[key].values())
+    mfu = histories.get("mfu", {})
+    peaks = histories.get("mfu_peak_flops") or {
+        step: float(params["mfu_peak_flops"]) for step in mfu if "mfu_peak_flops" in params}
+    achieved = [mfu[step] * peaks[step] for step in mfu if step in peaks]
+    if achieved:
+        speed["flops_per_device"] = statistics.median(achieved)
+    return speed
 
 
 def _artifact(client, run_id: str, path: str, tmp: Path) -> bytes | None:
@@ -95,11 +123,7 @@ def _read_run(client, run, tmp: Path) -> StudyRun:
     study_run = StudyRun(run_id=run_id, name=data.tags.get("mlflow.runName", run_id),
                          status=run.info.status, tags=dict(data.tags),
                          params=dict(data.params), metrics=dict(data.metrics))
-    for key in SPEED_METRICS:
-        if key in data.metrics:
-            value = _median_history(client, run_id, key)
-            if value is not None:
-                study_run.speed[key] = value
+    study_run.speed = _speed(client, run_id, data.metrics, data.params)
     text = _artifact(client, run_id, "config.yaml", tmp / run_id)
     study_run.config_text = text.decode() if text is not None else None
     try:
@@ -142,8 +166,10 @@ def load_study(client, experiment: str, uri: str, sweep: str | None = None) -> S
     if not runs and not never:
         raise ReportError(f"experiment {experiment!r} in {uri} holds no runs")
     logs = {}
-    for entry in never:
-        line = last_status_line(Path(path).parent, entry.get("index", -1))
-        if line:
-            logs[entry["name"]] = line
+    unfinished = {r.name for r in runs if r.loss is None and "exit_cause" not in r.tags}
+    for entry in (manifest or {}).get("runs", []):
+        if entry["name"] in unfinished or entry["name"] not in seen:
+            line = last_log_line(Path(path).parent, entry.get("index", -1))
+            if line:
+                logs[entry["name"]] = line
     return Study(experiment, uri, runs, [e["name"] for e in never], manifest, logs)

@@ -24,20 +24,34 @@ def esc(value: object) -> str:
     return html.escape(str(value))
 
 
-def num(value: float | None, digits: int = 4) -> str:
-    """A number to `digits` significant digits; an em dash for None or nan."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return f"{value:.{digits}g}"
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
-def size(value: float | None) -> str:
-    if value is None:
-        return "—"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value:.0f} B"
+def column(values: Sequence[float | None], digits: int = 4, suffix: str = "") -> list[str]:
+    """One number format for a whole table column: fixed-point with the decimals that give
+    the smallest value `digits` significant digits (up to 6), or scientific for every cell
+    when the values reach 1e6 or go below 1e-3; an em dash for None or nan."""
+    present = [abs(v) for v in values if _finite(v)]
+    nonzero = [v for v in present if v > 0]
+    if not nonzero:
+        return [f"{v:.0f}{suffix}" if _finite(v) else "—" for v in values]
+    if max(nonzero) >= 1e6 or min(nonzero) < 1e-3:
+        spec = f".{digits - 1}e"
+    else:
+        spec = f".{min(6, max(0, digits - 1 - math.floor(math.log10(min(nonzero)))))}f"
+    return [f"{v:{spec}}{suffix}" if _finite(v) else "—" for v in values]
+
+
+def sizes(values: Sequence[float | None]) -> list[str]:
+    """Byte counts in one unit for the whole column (that of the smallest), 3 digits."""
+    present = [v for v in values if _finite(v) and v > 0]
+    unit, scale = "B", 1
+    for name, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if present and min(present) >= factor:
+            unit, scale = name, factor
+            break
+    return column([v / scale if _finite(v) else None for v in values], 3, f" {unit}")
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]],

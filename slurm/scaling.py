@@ -95,14 +95,15 @@ class ParamsTokensFit:
         return self.E + self.A / np.power(n, self.a) + self.B / np.power(d, self.b)
 
 
-def _distinct(values, rel: float = 1e-3) -> int:
+def distinct_count(values, rel: float = 1e-3) -> int:
+    """How many values differ from each other by more than `rel` (relative)."""
     values = np.sort(np.asarray(values, float))
     return int(1 + np.sum(np.diff(values) > rel * values[1:]))
 
 
 def can_fit_params_tokens(n_params, tokens) -> bool:
     """True when the grid has 3+ distinct N, 3+ distinct D and 6+ points."""
-    return len(n_params) >= 6 and _distinct(n_params) >= 3 and _distinct(tokens) >= 3
+    return len(n_params) >= 6 and distinct_count(n_params) >= 3 and distinct_count(tokens) >= 3
 
 
 def _starting_point(n, d, y) -> list[float]:

@@ -1,6 +1,8 @@
 """`python -m slurm sweep SWEEP.yaml --dry-run | --submit`: one job array per sweep.
 
---submit writes the sweep directory (default runs/sweeps/<name>, or --out):
+--submit first runs every task's start-up checks (slurm/preflight.py; --no-preflight skips
+them) and exits 2 naming the task and the key before anything is written or queued; then it
+writes the sweep directory (default runs/sweeps/<name>, or --out):
 
     sweep.json          the manifest: every run's name, config, run dir, N, D, C, MLflow tags
     configs/<run>.yaml  each run's resolved training config (run.dir, tracking set)
@@ -189,6 +191,13 @@ def cmd_sweep(args) -> int:
                 print(f"then {dependent} dependent run(s), each: sbatch --array=<i> "
                       "--dependency=afterok:<array job>_<parent> --kill-on-invalid-dep=yes")
             return 0
+        if not args.no_preflight:
+            from slurm.preflight import format_problems, preflight
+
+            problems = preflight(sweep)
+            if problems:
+                print(format_problems(problems, len(sweep.runs)), file=sys.stderr)
+                return 2
         jobs = submit(sweep)
     except SweepError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -262,9 +271,10 @@ def find_run_id(task: SweepTask, client) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def tag_finished_task(task: SweepTask, status: int) -> None:
-    """Add the task's exit status to its MLflow run (the sweep's tags were set when training
-    created the run; they are set again here); a failure only warns."""
+def tag_finished_task(task: SweepTask, status: int, cause: str | None = None) -> None:
+    """Add the task's exit status (and a failed one's one-line cause, tag exit_cause) to its
+    MLflow run (the sweep's tags were set when training created the run; they are set again
+    here); a failure only warns."""
     try:
         from mlflow.entities import RunTag
 
@@ -277,7 +287,8 @@ def tag_finished_task(task: SweepTask, status: int) -> None:
                 print(f"launcher: warning: no MLflow run found for {task.name}; not tagged",
                       file=sys.stderr)
                 return
-            tags = {**task.tags, "exit_status": str(status)}
+            tags = {**task.tags, "exit_status": str(status),
+                    **({"exit_cause": cause[:5000]} if cause else {})}
             client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         print(f"launcher: MLflow run {run_id} ({task.name}): tagged exit_status={status}",
               file=sys.stderr)

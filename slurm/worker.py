@@ -9,18 +9,24 @@ what its ranks did:
   tell a preemption, status 75, from a crash);
 - a stop signal (SIGINT, SIGTERM, SIGUSR1) that arrives while the trainer is still starting
   up, before it installs its own handlers, is remembered and delivered again as soon as
-  they are installed, instead of killing the process or being lost.
+  they are installed, instead of killing the process or being lost;
+- a failed rank writes its one-line cause into `rank-<RANK>.cause`: the last line it wrote
+  to stderr that starts with `error` (the trainer's convention: `error: <key>: ...`,
+  `error (rank N): ...`), or the exception it died of. The launcher ends its log with it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+
+from pretrain.exit_codes import EXIT_PREEMPTED  # torch-free
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 LAUNCH_DIR_ENV = "DENSEFORMER_LAUNCH_DIR"
@@ -59,6 +65,33 @@ class EarlySignals:
                         os.kill(os.getpid(), sig)
 
 
+class ErrorLines:
+    """A stderr that passes everything through and keeps the last line starting with
+    `error`, without its `error: ` prefix (`error (rank N): x` becomes `rank N: x`)."""
+
+    PATTERN = re.compile(r"error(?: \((rank \d+)\))?: (.*)")
+    KEEP = 4096  # of a line without its end yet (a progress bar redraws with \r only)
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.partial = ""
+        self.cause: str | None = None
+
+    def write(self, text: str) -> int:
+        written = self.stream.write(text)
+        *lines, rest = (self.partial + text).split("\n")
+        self.partial = rest[-self.KEEP:]
+        for line in lines:
+            found = self.PATTERN.match(line.strip())
+            if found:
+                rank, message = found.groups()
+                self.cause = f"{rank}: {message}" if rank else message
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -73,17 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     if launch_dir:
         _write(Path(launch_dir) / f"rank-{rank}.pid", f"{os.getpid()}\n")
+    errors = sys.stderr = ErrorLines(sys.stderr)
     from pretrain.cli import main as pretrain_main
 
     try:
         status = pretrain_main(sys.argv[1:] if argv is None else argv)
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:
+    except BaseException as err:
         traceback.print_exc()
+        errors.cause = (f"{type(err).__name__}: {err}".splitlines() or ["?"])[0]
         status = 1
     status = 0 if status is None else int(status)
     if launch_dir:
+        if status not in (0, EXIT_PREEMPTED) and errors.cause:
+            _write(Path(launch_dir) / f"rank-{rank}.cause", errors.cause[:1000] + "\n")
         _write(Path(launch_dir) / f"rank-{rank}.status", f"{status}\n")
     return status
 
