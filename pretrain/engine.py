@@ -222,7 +222,12 @@ class Engine:
         self.update_rule.load_sharded(path, manifest, weights_only=True, fill=fill)
 
     def describe(self) -> list[str]:
-        """Log lines: the data-parallel reduction, then the pipeline's (if any)."""
+        """Log lines: the optimizer, the data-parallel reduction, then the pipeline's (if
+        any)."""
+        kind = "fused" if is_fused(self.optimizer) else "foreach"
+        optimizer = [f"optimizer: torch's {kind} AdamW (optim.fused)"
+                     + (", stepped by DeepSpeed's ZeRO optimizer" if self.reduction == "zero"
+                        else "")]
         lines = {"ddp": f"data-parallel gradients: torch DDP, buckets of {BUCKET_CAP_MB} MB "
                         "reduced during the backward",
                  "flat": "data-parallel gradients: one flat all-reduce after the backward "
@@ -230,7 +235,7 @@ class Engine:
                          "share parameters)",
                  "zero": "data-parallel gradients: DeepSpeed ZeRO"}
         head = [lines[self.reduction]] if self.reduction in lines else []
-        return head + self.forward.describe()
+        return optimizer + head + self.forward.describe()
 
 
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
