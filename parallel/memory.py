@@ -249,8 +249,11 @@ class ActivationShape:
         shard = self.padded_vocab // self.tp
         softmax = FP32 * self.tokens * shard
         padding_mask = shard if self.padded_vocab > self.vocab else 0
-        # token ids (a view of the loaded (B, S + 1) batch), masked targets, target mask
-        ids = 8 * self.micro_batch * (self.seq + 1) + 8 * self.tokens + self.tokens
+        # token ids (a view of the loaded (B, S + 1) batch), and the targets the loss keeps:
+        # at TP = 1 F.cross_entropy's flattened copy and its 0-d total weight, else
+        # megatron's masked targets and target mask
+        targets = 8 * self.tokens + (FP32 if self.tp == 1 else self.tokens)
+        ids = 8 * self.micro_batch * (self.seq + 1) + targets
         return normed + stats + softmax + padding_mask + ids
 
 

@@ -31,6 +31,7 @@ from parallel.compile import apply_compile
 from parallel.ddp import BUCKET_CAP_MB
 from parallel.layout import Layout, average_gradients, gradient_norm
 from parallel.tensor import allreduce_sequence_parallel_grads
+from pretrain.optim import is_fused, step_if_finite
 
 
 class AdamWUpdate:
@@ -62,20 +63,25 @@ class AdamWUpdate:
     def backward(self, loss: torch.Tensor, microbatches: int) -> None:
         (loss / microbatches).backward()
 
-    def update(self) -> float:
+    def update(self) -> torch.Tensor:
         if not self.reduced_in_backward:
             average_gradients(self.model, self.layout)
-        norm = gradient_norm(self.model, self.layout).item()
-        if math.isfinite(norm):
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(
-                    self.model.parameters(), self.grad_clip,
-                    torch.tensor(norm, device=self.layout.device))
+        norm = gradient_norm(self.model, self.layout)
+        if is_fused(self.optimizer):  # the skip decided on the device: no host sync
+            self._clip(norm)  # a non-finite norm spoils the gradients: they are not used
+            step_if_finite(self.optimizer, norm)
+        elif math.isfinite(norm.item()):  # foreach AdamW cannot skip by itself: one sync
+            self._clip(norm)
             self.optimizer.step()
         # DDP's gradients are views into its buckets: zeroed in place, they stay there (set
         # to None, the next backward would allocate new ones and copy them in).
         self.optimizer.zero_grad(set_to_none=not self.reduced_in_backward)
         return norm
+
+    def _clip(self, norm: torch.Tensor) -> None:
+        if self.grad_clip > 0:  # the norm in fp32, as clipping always took it
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.grad_clip,
+                                                 norm.float())
 
     def sharded_state(self) -> dict:
         """What this rank holds, no more: its TP shards and its stages' parameters."""
@@ -186,9 +192,10 @@ class Engine:
         accumulate in the parameters."""
         return self.forward.forward_backward(tokens, targets, microbatches, self.update_rule)
 
-    def update(self) -> float:
+    def update(self) -> torch.Tensor | float:
         """Reduce the gradients, clip, step; the global gradient norm before clipping (not
-        finite: the update was skipped). Gradients are cleared."""
+        finite: the update was skipped), a device tensor unless DeepSpeed's ZeRO engine
+        steps (it returns a float). Gradients are cleared."""
         allreduce_sequence_parallel_grads(self.model, self.layout.tp_group)
         return self.update_rule.update()
 
@@ -215,7 +222,12 @@ class Engine:
         self.update_rule.load_sharded(path, manifest, weights_only=True, fill=fill)
 
     def describe(self) -> list[str]:
-        """Log lines: the data-parallel reduction, then the pipeline's (if any)."""
+        """Log lines: the optimizer, the data-parallel reduction, then the pipeline's (if
+        any)."""
+        kind = "fused" if is_fused(self.optimizer) else "foreach"
+        optimizer = [f"optimizer: torch's {kind} AdamW (optim.fused)"
+                     + (", stepped by DeepSpeed's ZeRO optimizer" if self.reduction == "zero"
+                        else "")]
         lines = {"ddp": f"data-parallel gradients: torch DDP, buckets of {BUCKET_CAP_MB} MB "
                         "reduced during the backward",
                  "flat": "data-parallel gradients: one flat all-reduce after the backward "
@@ -223,7 +235,7 @@ class Engine:
                          "share parameters)",
                  "zero": "data-parallel gradients: DeepSpeed ZeRO"}
         head = [lines[self.reduction]] if self.reduction in lines else []
-        return head + self.forward.describe()
+        return optimizer + head + self.forward.describe()
 
 
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:

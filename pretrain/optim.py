@@ -1,4 +1,10 @@
-"""AdamW with weight-decay groups, and the warmup + cosine learning-rate schedule."""
+"""AdamW with weight-decay groups, and the warmup + cosine learning-rate schedule.
+
+`optim.fused` picks torch's implementation: fused (one kernel per parameter group and step,
+and it can skip a step on the device: `step_if_finite`) or foreach. `auto` takes fused
+wherever this torch has the kernel for the parameters' device and dtype (CUDA, and the CPU
+since torch 2.4); under ZeRO it is the AdamW that DeepSpeed's ZeRO optimizer steps.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +32,38 @@ def param_groups(model: nn.Module, weight_decay: float, decay_alphas: bool) -> l
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
-    """AdamW over `param_groups`, hyper-parameters from the `optim` config section."""
+    """AdamW over `param_groups`, hyper-parameters from the `optim` config section; fused
+    as `optim.fused` says (auto: where torch supports it, else foreach)."""
+    from pretrain.config import ConfigError
+
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_alphas)
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps)
+    options = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+    if optim_cfg.fused is False:
+        return torch.optim.AdamW(groups, **options)
+    try:  # torch checks the parameters' devices and dtypes against its fused kernels
+        return torch.optim.AdamW(groups, fused=True, **options)
+    except RuntimeError as err:
+        if optim_cfg.fused is True:
+            raise ConfigError("optim.fused", f"true, but torch {torch.__version__} has no "
+                              f"fused AdamW for these parameters ({err}); use auto or "
+                              "false") from None
+        return torch.optim.AdamW(groups, **options)
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is a torch optimizer running its fused kernels."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+    """Step the fused `optimizer` unless the gradient norm `norm` is not finite, decided on
+    the device (no host sync): skipped, the step leaves parameters and AdamW state as they
+    were, bitwise. torch's fused kernels read `found_inf`, the flag GradScaler sets."""
+    optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:

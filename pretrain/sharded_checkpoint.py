@@ -40,6 +40,7 @@ from pretrain.checkpoint import (
     sha256_file,
 )
 from pretrain.flat_shards import Blocks, FlatShard, LoadPlanner, SavePlanner
+from pretrain.optim import is_fused
 
 TENSOR_DIR = "tensors"  # the DCP directory inside a checkpoint
 METADATA_FILE = ".metadata"  # DCP's index: a pickle, checked against our manifest first
@@ -297,8 +298,11 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
                 continue
             param.copy_(local_part(target[model_key(name)]))
             if name in optim_keys:
-                optimizer.state[param] = {
-                    key: local_part(target[optim_key(name, key)]) for key in optim_keys[name]}
+                state = {key: local_part(target[optim_key(name, key)])
+                         for key in optim_keys[name]}
+                if is_fused(optimizer) and "step" in state:  # its kernels read it there
+                    state["step"] = state["step"].to(param.device, torch.float32)
+                optimizer.state[param] = state
 
 
 def raise_agreed(problem: str | None) -> None:

@@ -1,8 +1,9 @@
-"""Stop requests (SIGINT, SIGTERM, SIGUSR1) that every rank agrees on at a step boundary.
+"""Stop requests (SIGINT, SIGTERM, SIGUSR1) that every rank agrees on at a fetch point.
 
 A handler only sets a flag, so a second signal while a checkpoint is being written changes
-nothing; at each step boundary the ranks all-reduce the flag (as Megatron's
-dist_signal_handler does) so that all of them save and exit together.
+nothing; at each of the training loop's fetch points (a logging, checkpoint or validation
+step, docs/training.md#the-step-loop-and-its-fetch-points) the ranks all-reduce the flag (as
+Megatron's dist_signal_handler does) so that all of them save and exit together.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         if self.received is None:
-            print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the end "
-                  "of this step, then exiting", file=sys.stderr, flush=True)
+            print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint at the next "
+                  "logging step, then exiting", file=sys.stderr, flush=True)
         self.received = signum
 
     def __enter__(self) -> "StopRequest":

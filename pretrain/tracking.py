@@ -118,6 +118,8 @@ HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACK
 # After a failed write to a tracking server, later writes are skipped (and counted) for this
 # long instead of each waiting out the bounds above: a dead server must not stall training.
 RETRY_AFTER_FAILURE_S = 60.0
+# The most metrics one MLflow log_batch request may carry (MLflow's limit).
+MAX_METRICS_PER_REQUEST = 1000
 # The launcher (slurm/launch.py) hands a sweep run's tags to training in this variable, a
 # JSON object; the Tracker sets them when it creates the MLflow run.
 RUN_TAGS_ENV = "DENSEFORMER_MLFLOW_TAGS"
@@ -311,15 +313,22 @@ class Tracker:
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         """Log the numeric values of `metrics` at `step` (others are skipped)."""
+        self.log_rows([{**metrics, "step": step}])
+
+    def log_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Log the numeric values of each row (but "step") at the row's "step", in as few
+        requests as MLflow takes (the training loop's rows of a fetch point at once)."""
         if not self.enabled:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        values = {k: _as_metric(v) for k, v in metrics.items()}
-        batch = [Metric(k, v, now, step) for k, v in values.items() if v is not None]
-        if batch:
-            self._guard("log_metrics", self._client.log_batch, self.run_id, batch)
+        batch = [Metric(k, v, now, row["step"]) for row in rows
+                 for k, v in ((k, _as_metric(v)) for k, v in row.items() if k != "step")
+                 if v is not None]
+        for start in range(0, len(batch), MAX_METRICS_PER_REQUEST):
+            self._guard("log_metrics", self._client.log_batch, self.run_id,
+                        batch[start: start + MAX_METRICS_PER_REQUEST])
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Log run params (values as strings) beyond the config's, e.g. the MFU peak."""

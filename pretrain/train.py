@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -153,12 +152,16 @@ class Trainer:
                      total=self.cfg.train.steps)
 
     def next_batch(self, data) -> torch.Tensor:
-        """This data-parallel rank's batch: TP rank 0 reads it, its TP peers receive it."""
+        """This data-parallel rank's batch: TP rank 0 reads it, its TP peers receive it (no
+        broadcast with one TP rank). On CUDA the copy goes through pinned memory, so that
+        the host does not wait for the device's queue."""
         layout = self.layout
-        if layout.tp == 1:
-            return next(data).to(layout.device)
         if layout.tp_rank == 0:
-            batch = next(data).to(layout.device)
+            batch = next(data)
+            batch = (batch.pin_memory().to(layout.device, non_blocking=True)
+                     if layout.device.type == "cuda" else batch.to(layout.device))
+            if layout.tp == 1:
+                return batch
         else:
             batch = torch.empty(self.local_batch, self.index.seq_len + 1, dtype=torch.long,
                                 device=layout.device)
@@ -166,7 +169,9 @@ class Trainer:
         return batch
 
     def train_step(self, batch: torch.Tensor) -> dict:
-        """Forward/backward over the micro-batches, reduce, clip, update; returns metrics."""
+        """Forward/backward over the micro-batches, reduce, clip, update (skipped on the
+        device if the gradient norm is not finite); returns the step's row, its loss and
+        gradient norm still on the device (`check_row` reads them once fetched)."""
         cfg, layout = self.cfg, self.layout
         step = self.step + 1
         lr = self.lr(step)
@@ -179,7 +184,15 @@ class Trainer:
         grad_norm = self.engine.update()  # not finite: the update was skipped
         if layout.dp > 1:
             dist.all_reduce(loss_sum, group=layout.dp_group)
-        loss = (loss_sum / (micro * layout.dp)).item()
+        self.step = step
+        return {"step": step, "loss": loss_sum / (micro * layout.dp), "lr": lr,
+                "grad_norm": grad_norm}
+
+    def check_row(self, record: dict) -> None:
+        """A fetched row, in step order: a non-finite step stops the run (NonFiniteLoss,
+        train.on_nan=stop) or is marked skipped, and counts toward the skip streak."""
+        cfg, step = self.cfg, record["step"]
+        loss, grad_norm = record["loss"], record["grad_norm"]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite and cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"step {step}: loss {loss}, gradient norm {grad_norm}")
@@ -188,12 +201,8 @@ class Trainer:
             raise NonFiniteLoss(f"step {step}: {self.skip_streak} steps in a row skipped, more "
                                 f"than train.max_consecutive_skips="
                                 f"{cfg.train.max_consecutive_skips} (the run has diverged)")
-        self.step = step
-        record = {"step": step, "loss": loss if finite else None, "lr": lr,
-                  "grad_norm": grad_norm if finite else None}
         if not finite:
-            record["skipped"] = True
-        return record
+            record.update(loss=None, grad_norm=None, skipped=True)
 
     def _count_skip(self, finite: bool) -> None:
         """Track the streak of skipped steps; its first step pins the checkpoint before it."""
@@ -228,6 +237,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     from pretrain.mfu import TrainingPeak
+    from pretrain.step_rows import PendingRows
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
@@ -283,38 +293,59 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                             unit="step")
     data = iter(trainer.loader)
     trainer.checkpointer.on_commit = lambda path: _committed(trainer, path, tracker)
-    try:
-        with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
-            while trainer.step < stop_at:
-                start = time.perf_counter()
-                record = trainer.train_step(trainer.next_batch(data))
-                elapsed = time.perf_counter() - start
-                record["tokens_per_s"] = tokens_per_step / elapsed
-                record["mfu_peak_flops"] = peak.flops()
-                record["mfu"] = (flops_per_token * record["tokens_per_s"]
+    pending = PendingRows()
+
+    def log_rows() -> None:
+        """Fetch the pending rows (one transfer), check them in order, write them."""
+        rows, seconds = pending.fetch()
+        tokens_per_s = tokens_per_step * len(rows) / max(seconds, 1e-9)
+        accepted = []
+        try:
+            for record in rows:
+                trainer.check_row(record)  # NonFiniteLoss: the rows before it are written
+                record.update(tokens_per_s=tokens_per_s, mfu_peak_flops=peak.flops())
+                record["mfu"] = (flops_per_token * tokens_per_s
                                  / (record["mfu_peak_flops"] * layout.world))
+                accepted.append(record)
                 step = record["step"]
-                trainer.checkpointer.poll()
                 if main:
                     metrics.log(record)
-                    tracker.log_metrics({k: v for k, v in record.items()
-                                         if k != "step" and isinstance(v, float)}, step)
-                    progress.update(1)
-                    progress.set_postfix(loss=_fmt(record["loss"]), lr=f"{record['lr']:.2e}")
                 if step % cfg.train.log_every == 0 or step == stop_at:
                     _print_main(layout, (
                         f"step {step}/{cfg.train.steps} loss {_fmt(record['loss'])} lr "
                         f"{record['lr']:.3e} grad_norm {_fmt(record['grad_norm'])} "
                         f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"))
-                # The checkpoint first: nothing that validation does can lose this step.
+        finally:
+            if main and accepted:
+                tracker.log_rows(accepted)  # one batched MLflow write per fetch point
+                last = accepted[-1]
+                progress.set_postfix(loss=_fmt(last["loss"]), lr=f"{last['lr']:.2e}")
+
+    try:
+        with StopRequest() if stop is None else contextlib.nullcontext(stop) as stop:
+            while trainer.step < stop_at:
+                pending.start_step()
+                pending.add(trainer.train_step(trainer.next_batch(data)))
+                step = trainer.step
+                if main:
+                    progress.update(1)
                 every = cfg.checkpoint.every
-                if (every and step % every == 0) or step == stop_at:
+                save = (every and step % every == 0) or step == stop_at
+                validate = cfg.data.val_batches and ((cfg.train.eval_every
+                                                      and step % cfg.train.eval_every == 0)
+                                                     or step == cfg.train.steps)
+                if not (save or validate or step % cfg.train.log_every == 0):
+                    continue  # nothing waits for the device on this step
+                # A fetch point: the rows first, so that no checkpoint follows a step that
+                # should have stopped the run.
+                log_rows()
+                trainer.checkpointer.poll()
+                # The checkpoint first: nothing that validation does can lose this step.
+                if save:
                     path = trainer.save()
                     if trainer.checkpointer.asynchronous:
                         _print_main(layout, f"checkpoint: {path} (writing in the background)")
-                if cfg.data.val_batches and ((cfg.train.eval_every
-                                              and step % cfg.train.eval_every == 0)
-                                             or step == cfg.train.steps):
+                if validate:
                     _validate(trainer, metrics, tracker)
                 if stop.agreed(layout.device):
                     path = _checkpoint_of_this_step(trainer)

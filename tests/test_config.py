@@ -137,6 +137,8 @@ BAD_OVERRIDES = [
     ("run.name=null", "run.name"),
     ("train.dtype=fp16", "train.dtype"),
     ("train.on_nan=ignore", "train.on_nan"),
+    ("optim.fused=sometimes", "optim.fused"),
+    ("optim.fused=1", "optim.fused"),          # a bool or auto, not a number
     ("train.device=tpu", "train.device"),
     ("model.dwa_window=2.5", "model.dwa_window"),
     ("model.dwa_dtype=fp16", "model.dwa_dtype"),
@@ -497,4 +499,13 @@ def test_resume_auto_without_run_dir_exits_2_before_creating_a_run(tmp_path):
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 2, stderr
     assert "error: train.resume: " in stderr and "set run.dir" in stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_optim_fused_exits_2_naming_the_key(tmp_path):
+    proc = _cli(tmp_path, "train", "--config", str(REPO / "configs" / "tiny.yaml"),
+                "--set", "optim.fused=sometimes")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 2, stderr
+    assert "error: optim.fused: expected bool or one of 'auto', got 'sometimes'" in stderr
     assert not (tmp_path / "runs").exists()

@@ -53,7 +53,7 @@ def engine_run(world_size: int, reduction: str, *overrides: str,
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in engine.model.named_parameters()
                             if p.grad is not None}
-        out["norms"].append(engine.update())
+        out["norms"].append(float(engine.update()))  # a device tensor without ZeRO
     out["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     return out
 

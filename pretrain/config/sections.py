@@ -48,6 +48,9 @@ class OptimSection:
     weight_decay: float = ranged(0.1, ge=0)
     decay_alphas: bool = False  # weight decay on DWA alphas (the paper's code does not)
     grad_clip: float = ranged(1.0, ge=0)  # max global grad norm; 0 disables clipping
+    # torch's fused AdamW (one kernel per step; skips a non-finite step on the device):
+    # auto uses it wherever this torch has it for the parameters' device, else foreach.
+    fused: bool | Literal["auto"] = "auto"
 
 
 @dataclass

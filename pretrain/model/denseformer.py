@@ -37,7 +37,7 @@ from pretrain.model.dwa import (
 from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
-from pretrain.model.linear import column_linear, no_init
+from pretrain.model.linear import column_linear, vocab_embedding
 from pretrain.model.rotary import RotaryEmbedding
 
 
@@ -79,10 +79,7 @@ class DenseFormer(nn.Module):
             raise ValueError(f"sequence parallelism needs seq_len={cfg.seq_len} divisible by "
                              f"TP={self.tp_size}")
         mp = megatron_config(self.tp_size, self.sequence_parallel)
-        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.d_model,
-                                                init_method=no_init, config=mp,
-                                                reduce_scatter_embeddings=self.sequence_parallel,
-                                                tp_group=self.tp_group)
+        self.embedding = vocab_embedding(cfg.padded_vocab_size, cfg.d_model, mp, self.tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_base)
         self.blocks = nn.ModuleList(
             Block(cfg, mp, self.tp_group, self.rope) for _ in range(cfg.n_layers))
@@ -159,7 +156,8 @@ class DenseFormer(nn.Module):
             if not seq_first:
                 logits = logits.transpose(0, 1)
         else:
-            h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            if self.tp_size > 1:  # at one rank an identity autograd Function
+                h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             logits = F.linear(h, self.head_weight)
         shard = logits.shape[-1]
         start = self.tp_rank * shard
@@ -288,6 +286,11 @@ def dwa_alpha_parameter(pattern: DWAPattern) -> nn.Parameter | None:
 
 
 def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy from vocab-sharded logits (..., V / TP) and targets (...)."""
+    """Mean cross entropy from vocab-sharded logits (..., V / TP) and targets (...), in fp32.
+
+    At one TP rank the logits are the whole vocabulary: F.cross_entropy, where megatron's
+    vocab-parallel one would all-reduce three times over the one-rank group."""
+    if groups.tp_size() == 1:
+        return F.cross_entropy(local_logits.flatten(0, -2).float(), targets.flatten())
     per_token = vocab_parallel_cross_entropy(local_logits.float(), targets)
     return per_token.mean()

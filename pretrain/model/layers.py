@@ -135,9 +135,12 @@ class Block(nn.Module):
         """X_i from Y_{i-1}; `kv` (inference only): this block's KV cache, see Attention."""
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
         attn = self.attn(self.norm_attn(x), self.rope, kv)
-        with tp_rank_rng(self.tp_group, enabled=self.training and self.dropout.p > 0):
-            h = skip + self.dropout(attn)
+        h = skip + self._dropout(attn)
         skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
-        mlp = self.mlp(self.norm_mlp(h))
-        with tp_rank_rng(self.tp_group, enabled=self.training and self.dropout.p > 0):
-            return skip + self.dropout(mlp)
+        return skip + self._dropout(self.mlp(self.norm_mlp(h)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout.p == 0:
+            return x  # what nn.Dropout returns then, without dispatching an op
+        with tp_rank_rng(self.tp_group):
+            return self.dropout(x)

@@ -1,4 +1,5 @@
-"""The blocks' linear layers: megatron-core's tensor-parallel linears, with a plain path.
+"""The model's tensor-parallel layers (megatron-core's linears and vocabulary embedding),
+each with a plain path at one TP rank.
 
 With one TP rank and no sequence parallelism a column- or row-parallel linear is x @ W^T:
 no collective, no split. megatron-core still runs it through its Python autograd Function
@@ -7,6 +8,10 @@ layer and step on CPU, 1-2% of a small model's step (docs/benchmarks.md#model-st
 There `forward` is `F.linear`, the same matmuls in both directions; the parameters, their
 names and their TP attributes stay megatron's, so checkpoints and TP > 1 are unchanged.
 Layers are built without bias and with `no_init` (pretrain/model/init.py draws every weight).
+
+The embedding likewise: at one TP rank megatron's `VocabParallelEmbedding` is F.embedding
+followed by an identity autograd Function (its "all-reduce" over a one-rank group); there
+`forward` is F.embedding alone.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 def no_init(_: torch.Tensor) -> None:
@@ -46,3 +55,18 @@ def column_linear(n_in: int, n_out: int, mp: ModelParallelConfig, tp_group) -> C
 def row_linear(n_in: int, n_out: int, mp: ModelParallelConfig, tp_group) -> RowLinear:
     return RowLinear(n_in, n_out, config=mp, init_method=no_init, bias=False,
                      input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+
+
+class VocabEmbedding(VocabParallelEmbedding):
+    """Rows of the vocabulary split over the TP group (megatron's VocabParallelEmbedding);
+    F.embedding at one TP rank without sequence parallelism."""
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size() == 1 and not self.reduce_scatter_embeddings:
+            return F.embedding(input_, self.weight)
+        return super().forward(input_)
+
+
+def vocab_embedding(vocab: int, width: int, mp: ModelParallelConfig, tp_group) -> VocabEmbedding:
+    return VocabEmbedding(vocab, width, init_method=no_init, config=mp,
+                          reduce_scatter_embeddings=mp.sequence_parallel, tp_group=tp_group)

@@ -42,7 +42,9 @@ class RotaryEmbedding(nn.Module):
         head_dim), or (S, B, ...) if `seq_first`, whose features are laid out (key/value
         group, [its `group` query heads, its key head, its value head], head_dim)."""
         s = qkv.shape[0] if seq_first else qkv.shape[1]
-        cos, sin = self.cos[:s].to(qkv.dtype), self.sin[:s].to(qkv.dtype)
+        cos, sin = self.cos[:s], self.sin[:s]
+        if cos.dtype != qkv.dtype:  # bf16 under autocast
+            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         q, k, v = split_qkv(qkv, groups, group, seq_first)
         return rotated(q, cos, sin), rotated(k, cos, sin), v
 
@@ -50,8 +52,9 @@ class RotaryEmbedding(nn.Module):
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rope(x) for x (..., S, head_dim) and tables broadcasting to (..., S, head_dim / 2)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([torch.addcmul(x1 * cos, x2, sin, value=-1),
-                      torch.addcmul(x2 * cos, x1, sin)], dim=-1)
+    # Plain products, not addcmul: its backward multiplies by its scalar `value` in extra
+    # ops (a third more aten ops for a Transformer block's backward).
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def split_qkv(qkv: torch.Tensor, groups: int, group: int, seq_first: bool = False):
@@ -65,4 +68,7 @@ def split_qkv(qkv: torch.Tensor, groups: int, group: int, seq_first: bool = Fals
         order = (0, 2, 3, 1, 4)
     q, k, v = (piece.permute(order) for piece in
                qkv.view(*qkv.shape[:2], groups, group + 2, -1).split([group, 1, 1], dim=3))
-    return q.reshape(b, groups * group, s, q.shape[-1]), k.squeeze(2), v.squeeze(2)
+    # With one query head per group (no GQA) dropping the group dimension is a view; a
+    # reshape would copy q (the groups' strides skip their key and value heads).
+    q = q.squeeze(2) if group == 1 else q.reshape(b, groups * group, s, q.shape[-1])
+    return q, k.squeeze(2), v.squeeze(2)
