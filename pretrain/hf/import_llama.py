@@ -92,6 +92,7 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
     from data_pipeline import DataError
     from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file, load_tokenizer
     from parallel import groups
+    from pretrain.checkpoint import Retention
     from pretrain.config import Config, config_to_dict, save_config
     from pretrain.hf.llama_weights import from_hf
     from pretrain.model import DenseFormer, DenseFormerConfig
@@ -135,8 +136,7 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
                                            cfg.train.seed)}
         engine = _Weights(model, build_optimizer(model, cfg.optim))
         with torch.no_grad():
-            save_run(engine, tmp / "checkpoints", 0, meta, keep=0, protect=None, rank=0,
-                     world=1)
+            save_run(engine, tmp / "checkpoints", 0, meta, Retention(keep=0), rank=0, world=1)
         if out.exists():
             out.rmdir()  # empty, as cmd_import_hf checked
         os.replace(tmp, out)
