@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -248,6 +249,27 @@ def latest_checkpoint(ckpt_root: Path, verify_hashes: bool = False) -> Path | No
     for _, path in reversed(list_checkpoints(ckpt_root)):
         if _is_complete(path, verify_hashes):
             return path
+    return None
+
+
+def newest_intact(ckpt_root: Path) -> Path | None:
+    """The newest checkpoint in `ckpt_root` whose files all have their sizes and sha256, as
+    `train.resume=auto` picks it, for the commands that read a run (eval, generate, export);
+    a warning on stderr names each newer one passed over and why. None if there is no step
+    directory; CheckpointError naming each if none is intact."""
+    rejected = []
+    for _, path in reversed(list_checkpoints(ckpt_root)):
+        try:
+            read_manifest(path, verify_hashes=True)
+        except CheckpointError as err:
+            rejected.append(str(err))
+            continue
+        for reason in rejected:
+            print(f"warning: not reading a newer checkpoint: {reason}; using {path}",
+                  file=sys.stderr, flush=True)
+        return path
+    if rejected:
+        raise CheckpointError(f"no intact checkpoint in {ckpt_root}: " + "; ".join(rejected))
     return None
 
 

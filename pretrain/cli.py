@@ -105,7 +105,7 @@ def cmd_eval(args) -> int:
     from pretrain.train import compute_dtype, distributed_session
 
     if args.run:
-        path = checkpoint.latest_checkpoint(Path(args.run) / "checkpoints")
+        path = checkpoint.newest_intact(Path(args.run) / "checkpoints")
         if path is None:
             raise ConfigError("--run", f"no complete checkpoint under {args.run}/checkpoints")
     else:
@@ -115,7 +115,8 @@ def cmd_eval(args) -> int:
     run_dir = path.parent.parent
     # run.dir: configs saved before it was recorded may say null with resume=auto
     cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}", *args.overrides])
-    state = sharded_checkpoint.read_checkpoint(path, optimizer=False)
+    state = sharded_checkpoint.read_checkpoint(path, optimizer=False,
+                                               verify_hashes=not args.run)  # --run: checked
     with distributed_session():
         groups.ensure_initialized()
         model = DenseFormer(cfg.model)
