@@ -244,8 +244,9 @@ def save_error(err: BaseException, ckpt_root: Path, step: int,
     if os_error is not None:
         what = describe_os_error(os_error, os_error.filename or file or tmp_dir)
     elif _nearly_full(ckpt_root):
-        what = (f"No space left on device [ENOSPC] ({file or tmp_dir or ckpt_root}: under "
-                f"{LOW_SPACE >> 20} MiB free; torch said {type(err).__name__}: {err})")
+        what = (f"No space left on device [ENOSPC] ({file or tmp_dir or ckpt_root}), under "
+                f"{LOW_SPACE >> 20} MiB free there (torch's writer said only "
+                f"{type(err).__name__}: {err})")
     else:
         what = f"{type(err).__name__}: {err}"
     return (f"cannot write the checkpoint of step {step} into {ckpt_root}: {what}; the "
