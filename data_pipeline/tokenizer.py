@@ -242,8 +242,12 @@ def copy_tokenizer(source: str | Path, directory: str | Path,
         if name != target.name:
             (Path(directory) / name).unlink(missing_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.copyfile(tokenizer.path, tmp)
-    os.replace(tmp, target)
+    try:
+        shutil.copyfile(tokenizer.path, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half copy behind
+        raise
     return target
 
 

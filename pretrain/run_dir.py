@@ -217,7 +217,7 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
         raise ConfigError("data.path", str(err)) from None
     except OSError as err:
         raise ConfigError("run.dir", f"cannot copy the tokenizer {path} into {run_dir}: "
-                          f"{err.strerror or err}") from None
+                          f"{describe_os_error(err)}") from None
 
 
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:

@@ -27,6 +27,7 @@ from pretrain.checkpoint import (
     read_manifest,
 )
 from tests.conftest import ROOT, cli_env
+from tests.test_run_safety import corrupt_a_byte
 from tests.test_train import run, train_cmd
 
 MODES = {"sync": "checkpoint.async=false", "async": "checkpoint.async=true"}
@@ -41,15 +42,6 @@ def three_checkpoints(tiny_data, tmp_path_factory) -> Path:
                          "checkpoint.keep=0", *QUIET))
     assert done.returncode == 0, done.stderr
     return run_dir
-
-
-def flip_a_byte(path: Path) -> None:
-    """Same size: only the sha256 can tell."""
-    with open(path, "r+b") as f:
-        f.seek(200)
-        byte = f.read(1)
-        f.seek(200)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def drop_metadata_from_manifest(checkpoint: Path) -> None:
@@ -76,7 +68,7 @@ def test_retention_counts_only_verified_checkpoints_and_spares_the_protected(
         three_checkpoints, tmp_path):
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(three_checkpoints / "checkpoints", ckpts)
-    flip_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+    corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     # keep=1: step 6 is corrupt, so step 4 is the newest intact one; step 2 is protected.
     assert Retention(1, lambda: [checkpoint_dir(ckpts, 2)]).prune(ckpts) == []
     assert steps(ckpts) == [2, 4, 6]
@@ -112,7 +104,7 @@ def test_a_resume_past_a_corrupt_newest_keeps_what_it_wrote_and_resumed_from(
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
     if newest == "flipped byte":
-        flip_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+        corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     else:
         drop_metadata_from_manifest(checkpoint_dir(ckpts, 6))
     done = run(train_cmd(tiny_data, run_dir, "train.steps=6", "train.stop_at=5",

@@ -167,7 +167,7 @@ def three_checkpoints(tiny_data, tmp_path_factory) -> Path:
     return run_dir
 
 
-def _corrupt(path: Path) -> None:
+def corrupt_a_byte(path: Path) -> None:
     with open(path, "r+b") as f:  # same size: only the sha256 can tell
         f.seek(200)
         byte = f.read(1)
@@ -180,7 +180,7 @@ def test_resume_passes_over_corrupt_and_incomplete_checkpoints_with_a_warning(
     run_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
-    _corrupt(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+    corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     (checkpoint_dir(ckpts, 4) / "manifest.json").unlink()
     resumed = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto",
                             "tracking.enabled=false"))
@@ -198,7 +198,7 @@ def test_resume_with_no_intact_checkpoint_exits_2_naming_them(
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
     for step in (2, 4, 6):
-        _corrupt(checkpoint_dir(ckpts, step) / "tensors/__0_0.distcp")
+        corrupt_a_byte(checkpoint_dir(ckpts, step) / "tensors/__0_0.distcp")
     before = (run_dir / "metrics.jsonl").read_text()
     refused = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto"))
     assert refused.returncode == 2, refused.stderr
@@ -217,7 +217,7 @@ def test_the_read_commands_pass_over_a_corrupt_newest_checkpoint_with_a_warning(
     run_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
-    _corrupt(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+    corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     warning = (f"warning: not reading a newer checkpoint: {checkpoint_dir(ckpts, 6)}/tensors/"
                f"__0_0.distcp: sha256 differs from the manifest (corrupt); using "
                f"{checkpoint_dir(ckpts, 4)}")
