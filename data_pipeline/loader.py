@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from data_pipeline import DataError
 from data_pipeline.index import DatasetIndex, read_index, sample_key
 from data_pipeline.shuffle import PURPOSE_EPOCH_ORDER, seeded_permutation
+from data_pipeline.tokenizer import check_index_vocabulary
 
 # wids refuses more than 100 simultaneously open shards per process (wids_dl); keep its
 # LRU below that, with room for a validation reader next to the training one.
@@ -266,6 +267,7 @@ class TrainLoader:
         if seed < 0 or num_workers < 0:
             raise ValueError(f"need seed >= 0 and num_workers >= 0, got {seed}, {num_workers}")
         self.index = read_index(data_dir)
+        check_index_vocabulary(self.index)  # at start, not as a bad token id at some step
         self.dataset = ShardSampleDataset(self.index, split, cache_dir)
         if len(self.dataset) == 0:
             raise DataError(f"{self.index.index_path}: split {split!r} holds no sample")

@@ -213,6 +213,17 @@ def load_tokenizer(path: str | Path, expected_sha256: str | None = None) -> Toke
     return BACKENDS[backend_file_name(path)](path)
 
 
+def check_index_vocabulary(index) -> None:
+    """DataError unless `index` (a DatasetIndex, its tokenizer's sha256 checked) gives its
+    tokenizer's number of ids as vocab_size: an index whose vocab_size was lowered would
+    otherwise surface as out-of-range token ids in some shard at some step."""
+    tokenizer = load_tokenizer(index.tokenizer_path)
+    if tokenizer.vocab_size != index.vocab_size:
+        raise DataError(f"{index.index_path}: vocab_size {index.vocab_size} differs from the "
+                        f"{tokenizer.vocab_size} ids of its tokenizer {tokenizer.path}: the "
+                        "index was edited or names another tokenizer; prepare the data again")
+
+
 def copy_tokenizer(source: str | Path, directory: str | Path,
                    expected_sha256: str | None = None, replace: bool = False) -> Path:
     """Copy a tokenizer file (or a dataset directory's) into `directory`, atomically; the
@@ -231,8 +242,12 @@ def copy_tokenizer(source: str | Path, directory: str | Path,
         if name != target.name:
             (Path(directory) / name).unlink(missing_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.copyfile(tokenizer.path, tmp)
-    os.replace(tmp, target)
+    try:
+        shutil.copyfile(tokenizer.path, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half copy behind
+        raise
     return target
 
 

@@ -31,12 +31,16 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pretrain.run_files import umask_dir_mode
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # with a "tensors" part (DCP); plain .pt parts make format 1
@@ -78,7 +82,9 @@ def new_tmp_dir(ckpt_root: Path, step: int) -> Path:
     """A fresh temporary directory in `ckpt_root` to write the checkpoint of `step` into."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=ckpt_root))
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:08d}-", dir=ckpt_root))
+    umask_dir_mode(tmp_dir)  # the checkpoint's mode as mkdir gives, not mkdtemp's 0o700
+    return tmp_dir
 
 
 def write_parts(directory: Path, state: dict[str, Any]) -> None:
@@ -134,12 +140,11 @@ def write_manifest(tmp_dir: Path, step: int,
     return manifest
 
 
-def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
-                        protect: Path | None = None,
+def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, retention: Retention,
                         hashed: dict[str, dict] | None = None) -> Path:
-    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune (never `protect`);
-    the final path. `hashed`: {relative path: {"bytes", "sha256"}} other ranks computed for
-    the files they wrote (the rest are hashed here)."""
+    """Write the manifest into `tmp_dir`, rename it to step-XXXXXXXX, prune as `retention`
+    says (never this checkpoint); the final path. `hashed`: {relative path: {"bytes",
+    "sha256"}} other ranks computed for the files they wrote (the rest are hashed here)."""
     tmp_dir, ckpt_root = Path(tmp_dir), Path(ckpt_root)
     write_manifest(tmp_dir, step, hashed)
     final = checkpoint_dir(ckpt_root, step)
@@ -151,18 +156,19 @@ def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, keep: int,
     _fsync_dir(ckpt_root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    prune_checkpoints(ckpt_root, keep, protect)
+    retention.prune(ckpt_root, written=final)
     return final
 
 
 def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], keep: int,
-                    protect: Path | None = None) -> Path:
-    """Atomically write `state` as ckpt_root/step-XXXXXXXX and keep the newest `keep` (0: all)
-    plus `protect`."""
+                    protect: Iterable[Path] = ()) -> Path:
+    """Atomically write `state` as ckpt_root/step-XXXXXXXX, then prune to the newest `keep`
+    intact checkpoints (0: keep all), never one in `protect`."""
     tmp_dir = new_tmp_dir(ckpt_root, step)
+    protected = tuple(protect)
     try:
         write_parts(tmp_dir, state)
-        return finalize_checkpoint(tmp_dir, ckpt_root, step, keep, protect)
+        return finalize_checkpoint(tmp_dir, ckpt_root, step, Retention(keep, lambda: protected))
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -194,7 +200,27 @@ def read_manifest(path: Path, verify_hashes: bool = False) -> dict[str, Any]:
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']}")
         if verify_hashes and sha256_file(file) != info["sha256"]:
             raise CheckpointError(f"{file}: sha256 differs from the manifest (corrupt)")
+    _check_listed(path, manifest)
     return manifest
+
+
+def _check_listed(path: Path, manifest: dict[str, Any]) -> None:
+    """CheckpointError unless the manifest vouches for every file a reader of its parts
+    opens: a part's file, and all the files of a DCP directory (its `.metadata`, a pickle,
+    above all)."""
+    for name, rel in manifest["parts"].items():
+        if not isinstance(rel, str):
+            raise CheckpointError(f"{path / MANIFEST}: bad entry for part {name!r}")
+        if (path / rel).is_dir():
+            on_disk = [p.relative_to(path).as_posix() for p in (path / rel).rglob("*")
+                       if p.is_file()]
+            wanted = sorted({f"{rel}/.metadata", *on_disk})
+        else:
+            wanted = [rel]
+        for file in wanted:
+            if file not in manifest["files"]:
+                raise CheckpointError(f"{path / MANIFEST}: does not list {file} (part "
+                                      f"{name!r}), so nothing vouches for its contents")
 
 
 def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -226,21 +252,75 @@ def latest_checkpoint(ckpt_root: Path, verify_hashes: bool = False) -> Path | No
     return None
 
 
-def prune_checkpoints(ckpt_root: Path, keep: int, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep` complete checkpoints (0: keep all) and stale temp dirs;
-    `protect` (e.g. the last checkpoint before a run of skipped steps) is never deleted."""
-    ckpt_root = Path(ckpt_root)
-    for path in ckpt_root.iterdir():
-        # One writer per run directory (the run-directory lock, pretrain/run_dir.py): any
-        # temp dir still here was left by a killed save.
-        if path.is_dir() and path.name.startswith((".tmp-step-", ".trash-step-")):
-            shutil.rmtree(path, ignore_errors=True)
-    if keep <= 0:
-        return
-    complete = [path for _, path in list_checkpoints(ckpt_root) if _is_complete(path, False)]
-    for path in complete[:-keep]:
-        if protect is None or path.resolve() != Path(protect).resolve():
-            shutil.rmtree(path, ignore_errors=True)
+def newest_intact(ckpt_root: Path) -> Path | None:
+    """The newest checkpoint in `ckpt_root` whose files all have their sizes and sha256, as
+    `train.resume=auto` picks it, for the commands that read a run (eval, generate, export);
+    a warning on stderr names each newer one passed over and why. None if there is no step
+    directory; CheckpointError naming each if none is intact."""
+    rejected = []
+    for _, path in reversed(list_checkpoints(ckpt_root)):
+        try:
+            read_manifest(path, verify_hashes=True)
+        except CheckpointError as err:
+            rejected.append(str(err))
+            continue
+        for reason in rejected:
+            print(f"warning: not reading a newer checkpoint: {reason}; using {path}",
+                  file=sys.stderr, flush=True)
+        return path
+    if rejected:
+        raise CheckpointError(f"no intact checkpoint in {ckpt_root}: " + "; ".join(rejected))
+    return None
+
+
+class Retention:
+    """Which checkpoints a run's commits delete: those older than `keep` newer checkpoints
+    (0: none is deleted) that are each verified intact by their sha256, as a resume verifies
+    them. Never the newest intact one, the one just written, nor one `protect()` names, asked
+    at commit time (the checkpoint resumed from, the last one before a streak of skipped
+    steps); a directory that is not a complete checkpoint is left for a person to look at.
+    Hash verdicts are remembered for the run (`intact`), so each checkpoint is read once."""
+
+    def __init__(self, keep: int, protect: Callable[[], Iterable[Path]] = tuple,
+                 intact: dict[Path, tuple] | None = None):
+        self.keep, self.protect = keep, protect
+        self.intact = {} if intact is None else intact  # path -> identity of its manifest
+
+    def prune(self, ckpt_root: Path, written: Path | None = None) -> list[Path]:
+        """Delete stale temporary directories and the checkpoints that may go; those."""
+        ckpt_root = Path(ckpt_root)
+        for path in ckpt_root.iterdir():
+            # One writer per run directory (the run-directory lock, pretrain/run_dir.py): any
+            # temp dir still here was left by a killed save.
+            if path.is_dir() and path.name.startswith((".tmp-step-", ".trash-step-")):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.keep <= 0:
+            return []
+        protected = {Path(p).resolve() for p in (*self.protect(), *([written] if written
+                                                                      else []))}
+        deleted, verified_newer = [], 0
+        for _, path in reversed(list_checkpoints(ckpt_root)):
+            if verified_newer < self.keep:
+                verified_newer += self._verified(path)
+            elif path.resolve() not in protected and _is_complete(path, False):
+                shutil.rmtree(path, ignore_errors=True)
+                deleted.append(path)
+        return deleted
+
+    def _verified(self, path: Path) -> bool:
+        """Whether checkpoint `path` is intact, hashes checked (once while unchanged)."""
+        try:
+            stat = (path / MANIFEST).stat()
+        except OSError:
+            return False
+        identity = (stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        key = path.resolve()
+        if self.intact.get(key) == identity:
+            return True
+        if not _is_complete(path, verify_hashes=True):
+            return False
+        self.intact[key] = identity
+        return True
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",

@@ -105,7 +105,7 @@ def cmd_eval(args) -> int:
     from pretrain.train import compute_dtype, distributed_session
 
     if args.run:
-        path = checkpoint.latest_checkpoint(Path(args.run) / "checkpoints")
+        path = checkpoint.newest_intact(Path(args.run) / "checkpoints")
         if path is None:
             raise ConfigError("--run", f"no complete checkpoint under {args.run}/checkpoints")
     else:
@@ -115,7 +115,8 @@ def cmd_eval(args) -> int:
     run_dir = path.parent.parent
     # run.dir: configs saved before it was recorded may say null with resume=auto
     cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}", *args.overrides])
-    state = sharded_checkpoint.read_checkpoint(path, optimizer=False)
+    state = sharded_checkpoint.read_checkpoint(path, optimizer=False,
+                                               verify_hashes=not args.run)  # --run: checked
     with distributed_session():
         groups.ensure_initialized()
         model = DenseFormer(cfg.model)
@@ -143,7 +144,8 @@ def cmd_checkpoint(args) -> int:
 _STATUS_MEANING = {
     EXIT_USAGE: "bad config, data, checkpoint or run directory; nothing more was trained",
     EXIT_NONFINITE: "the loss diverged (NaN/inf); resume from the last good checkpoint",
-    EXIT_SAVE_FAILED: "a checkpoint could not be written; the previous ones are intact",
+    EXIT_SAVE_FAILED: "a checkpoint or run file could not be written (disk full, I/O "
+                      "error); the checkpoints written before are intact",
     EXIT_PREEMPTED: "stopped on a signal after a checkpoint; resume with train.resume=auto",
 }
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.checkpoint import CheckpointError
     from pretrain.config import ConfigError
     from pretrain.model.config import ModelConfigError
+    from pretrain.run_files import RunFileError
 
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         status = EXIT_USAGE
+    except RunFileError as err:  # config.yaml, metrics.jsonl: a full disk, an I/O error
+        print(f"error (rank {os.environ.get('RANK', '0')}): {err}", file=sys.stderr)
+        status = EXIT_SAVE_FAILED
     if status in _STATUS_MEANING and os.environ.get("RANK", "0") == "0":
         print(f"exit status {status}: {_STATUS_MEANING[status]}", file=sys.stderr, flush=True)
     return status

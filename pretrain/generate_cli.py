@@ -49,6 +49,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         if not args.prompt:
             raise ConfigError("--prompt", "is empty: give some text to continue")
+        try:  # bytes that are not UTF-8 reach Python as lone surrogates ("\udcff")
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raw = args.prompt.encode("utf-8", "surrogateescape")
+            raise ConfigError("--prompt", f"is not UTF-8 text: byte "
+                              f"0x{raw[error.start]:02x} at offset {error.start}") from None
         return [args.prompt]
     path = Path(args.prompts)
     try:

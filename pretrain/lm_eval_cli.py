@@ -111,7 +111,7 @@ def checkpoint_run(path: Path) -> tuple[str, str, int] | str:
     if (path / checkpoint.MANIFEST).is_file():
         step_dir = path
     elif (path / "checkpoints").is_dir():
-        step_dir = checkpoint.latest_checkpoint(path / "checkpoints")
+        step_dir = checkpoint.newest_intact(path / "checkpoints")
         if step_dir is None:
             return f"{path} holds no complete checkpoint"
     else:

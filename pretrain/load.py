@@ -53,7 +53,11 @@ def load_model(path: str | Path, device: str | torch.device | None = None
     shape = model_config(cfg, vocab)
     _initialize_groups(shape)
     model = DenseFormer(shape)
-    load_full_model_state(model, state)
+    try:
+        load_full_model_state(model, state)
+    except (KeyError, ValueError) as err:  # a tensor missing, or of another shape
+        raise checkpoint.CheckpointError(f"{path}: its weights do not fit the model its "
+                                         f"{CONFIG_FILE} describes: {err}") from None
     model.to(torch.device(device) if device is not None else groups.default_device())
     return model.eval(), tokenizer
 
@@ -83,11 +87,11 @@ def read_trained(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
     if (path / checkpoint.MANIFEST).is_file():
         return _read_native(path, path.resolve().parent.parent)
     if (path / "checkpoints").is_dir():
-        latest = checkpoint.latest_checkpoint(path / "checkpoints")
+        latest = checkpoint.newest_intact(path / "checkpoints")
         if latest is None:
             raise checkpoint.CheckpointError(f"{path}: no complete checkpoint under "
                                              f"{path / 'checkpoints'}")
-        return _read_native(latest, path.resolve())
+        return _read_native(latest, path.resolve(), verified=True)
     raise checkpoint.CheckpointError(
         f"{path}: neither a run directory (with checkpoints/), a checkpoint (with "
         f"{checkpoint.MANIFEST}) nor an exported directory (with {EXPORTED_WEIGHTS})")
@@ -111,12 +115,15 @@ def _read_exported(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
     return cfg, state, {}, load_tokenizer(tokenizer_file)
 
 
-def _read_native(path: Path, run_dir: Path) -> tuple[Config, dict, dict, Tokenizer]:
+def _read_native(path: Path, run_dir: Path, verified: bool = False
+                 ) -> tuple[Config, dict, dict, Tokenizer]:
+    """The same of a native checkpoint (`verified`: its hashes were just checked)."""
     from pretrain import sharded_checkpoint
 
     cfg = _config(run_dir / CONFIG_FILE, [f"run.dir={run_dir}"])
     tokenizer = run_tokenizer(run_dir, cfg)
-    loaded = sharded_checkpoint.read_checkpoint(path, optimizer=False)
+    loaded = sharded_checkpoint.read_checkpoint(path, optimizer=False,
+                                                verify_hashes=not verified)
     return cfg, loaded["model"], loaded["meta"], tokenizer
 
 

@@ -19,26 +19,28 @@ ranks together before (pretrain/run_dir.py); here each rank reads its own slices
 
 from __future__ import annotations
 
-import errno
+import os
 import shutil
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from pretrain import checkpoint, sharded_checkpoint
+from pretrain.run_files import describe_os_error
 
 
 class SaveFailed(RuntimeError):
     """A checkpoint could not be written (raised on every rank, with the first OS error)."""
 
 
-def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any], keep: int,
-             protect: Path | None, rank: int, world: int) -> Path:
-    """Write the checkpoint of `step` (collective); its path on every rank, or SaveFailed."""
+def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any],
+             retention: checkpoint.Retention, rank: int, world: int) -> Path:
+    """Write the checkpoint of `step` (collective); its path on every rank, or SaveFailed.
+    Rank 0 prunes after the commit as `retention` says."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     tmp_dir = _new_tmp_dir(ckpt_root, step, rank, world)
@@ -46,8 +48,8 @@ def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any], keep: int
     try:
         written = sharded_checkpoint.save(tmp_dir, engine.sharded_state(), rank)
     except (OSError, RuntimeError, CheckpointException) as err:  # DCP raises on every rank
-        error = save_error(err, ckpt_root, step)
-    return commit(tmp_dir, written, error, ckpt_root, step, meta, keep, protect, rank, world)
+        error = save_error(err, ckpt_root, step, tmp_dir)
+    return commit(tmp_dir, written, error, ckpt_root, step, meta, retention, rank, world)
 
 
 def _new_tmp_dir(ckpt_root: Path, step: int, rank: int, world: int) -> Path:
@@ -56,7 +58,7 @@ def _new_tmp_dir(ckpt_root: Path, step: int, rank: int, world: int) -> Path:
 
 
 def commit(tmp_dir: Path, written: dict, error: str | None, ckpt_root: Path, step: int,
-           meta: dict[str, Any], keep: int, protect: Path | None, rank: int, world: int,
+           meta: dict[str, Any], retention: checkpoint.Retention, rank: int, world: int,
            group=None) -> Path:
     """Step 3 of the module doc, collective over `group` (None: the default one):
     the final path on every rank, or SaveFailed with the first rank's error."""
@@ -72,7 +74,7 @@ def commit(tmp_dir: Path, written: dict, error: str | None, ckpt_root: Path, ste
                 raise SaveFailed(errors[0])
             checkpoint.write_parts(tmp_dir, {"meta": meta})
             return str(checkpoint.finalize_checkpoint(
-                tmp_dir, ckpt_root, step, keep=keep, protect=protect,
+                tmp_dir, ckpt_root, step, retention,
                 hashed={rel: entry for files, _ in reports for rel, entry in files.items()}))
         except BaseException:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -110,15 +112,19 @@ class Checkpointer:
         self.staged: dict | None = None
         # Called with the path of each checkpoint once complete on disk (on every rank).
         self.on_commit: Callable[[Path], None] = lambda path: None
+        self.intact: dict[Path, tuple] = {}  # hash verdicts of pruning (checkpoint.Retention)
 
-    def save(self, step: int, meta: dict[str, Any], keep: int, protect: Path | None) -> Path:
+    def save(self, step: int, meta: dict[str, Any], keep: int,
+             protect: Callable[[], Iterable[Path]] = tuple) -> Path:
         """Write the checkpoint of `step` after the previous one committed; its final path.
         Synchronous: committed on return, or SaveFailed. Asynchronous: on its way; `poll`
-        or `wait` tell when it committed."""
+        or `wait` tell when it committed. The commit prunes to the newest `keep` intact
+        checkpoints, never one that `protect()`, called at the commit, names."""
         self.wait()
         rank, world = self.layout.rank, self.layout.world
+        retention = checkpoint.Retention(keep, protect, self.intact)
         if not self.asynchronous:
-            path = save_run(self.engine, self.ckpt_root, step, meta, keep, protect, rank, world)
+            path = save_run(self.engine, self.ckpt_root, step, meta, retention, rank, world)
             self.on_commit(path)
             return path
         from torch.distributed.checkpoint.api import CheckpointException
@@ -139,8 +145,8 @@ class Checkpointer:
                 upload.result()
                 written = sharded_checkpoint.written_files(tmp_dir, rank)
             except (OSError, RuntimeError, CheckpointException) as err:
-                error = save_error(err, self.ckpt_root, step)
-            return commit(tmp_dir, written, error, self.ckpt_root, step, meta, keep, protect,
+                error = save_error(err, self.ckpt_root, step, tmp_dir)
+            return commit(tmp_dir, written, error, self.ckpt_root, step, meta, retention,
                           rank, world, self.group)
 
         committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
@@ -219,18 +225,51 @@ def _agree(fn: Callable[[], str], ckpt_root: Path, step: int, rank: int, world: 
     return outcome[0]
 
 
-def save_error(err: BaseException, ckpt_root: Path, step: int) -> str:
-    """What a failed checkpoint write tells the user: the path, the OS error, what is kept."""
+def save_error(err: BaseException, ckpt_root: Path, step: int,
+               tmp_dir: Path | None = None) -> str:
+    """What a failed checkpoint write tells the user: the OS error and its file, what is
+    kept. torch's writers report a full disk as their own RuntimeError ("unexpected pos"):
+    the OSError is then found in its exception chain, or, failing that, in the free space
+    left on the checkpoint's file system."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    file = None
     if isinstance(err, CheckpointException):  # DCP wraps each rank's error: show an OS one
         failures = sorted(err.failures.items())
-        err = next((e for _, (e, *_) in failures if isinstance(e, OSError)), failures[0][1][0])
-    if isinstance(err, OSError):
-        name = errno.errorcode.get(err.errno, "")
-        where = f" ({err.filename})" if err.filename else ""
-        what = f"{err.strerror or err} [{name}]{where}"
+        rank, (err, *_) = next(((r, f) for r, f in failures if _os_error_in(f[0])),
+                               failures[0])
+        if tmp_dir is not None:
+            file = Path(tmp_dir) / sharded_checkpoint.TENSOR_DIR / f"__{rank}_0.distcp"
+    os_error = _os_error_in(err)
+    if os_error is not None:
+        what = describe_os_error(os_error, os_error.filename or file or tmp_dir)
+    elif _nearly_full(ckpt_root):
+        what = (f"No space left on device [ENOSPC] ({file or tmp_dir or ckpt_root}), under "
+                f"{LOW_SPACE >> 20} MiB free there (torch's writer said only "
+                f"{type(err).__name__}: {err})")
     else:
         what = f"{type(err).__name__}: {err}"
     return (f"cannot write the checkpoint of step {step} into {ckpt_root}: {what}; the "
             f"previous checkpoint {checkpoint.latest_checkpoint(ckpt_root)} is intact")
+
+
+LOW_SPACE = 1 << 20  # a write that failed with less free than this failed for want of space
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The first OSError among `err` and the exceptions it was raised from or during."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _nearly_full(directory: Path) -> bool:
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < LOW_SPACE

@@ -28,8 +28,10 @@ import torch.distributed as dist
 
 from pretrain import checkpoint
 from pretrain.config import ConfigError
+from pretrain.run_files import describe_os_error
 
 LOCK_FILE = ".lock"
+PROBE_BYTES = 64 << 10  # what the start-up probe writes: room for config.yaml and more
 
 
 class RunDirLocked(ConfigError):
@@ -59,9 +61,13 @@ class RunDirLock:
                   "system does not support fcntl locks, so nothing stops a second run from "
                   "using this run directory", file=sys.stderr, flush=True)
             return
-        os.ftruncate(fd, 0)
-        os.write(fd, _holder_text().encode())
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, _holder_text().encode())
+        except OSError as err:  # the lock holds; only the holder's description is lost
+            print(f"warning: cannot write the lock holder into {self.path}: "
+                  f"{describe_os_error(err)}", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -86,11 +92,14 @@ def _read_holder(path: Path) -> str:
 def check_writable(directory: Path, key: str) -> None:
     """Create `directory` and write a probe file into it, or raise ConfigError naming it.
 
-    A real write, not os.access: root passes access checks on read-only mounts."""
+    A real write, not os.access: root passes access checks on read-only mounts. Some data,
+    fsynced: creating an empty file succeeds on a full disk."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as probe:
+            probe.write(bytes(PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as err:
         code = errno.errorcode.get(err.errno, "")
         raise ConfigError(key, f"{directory} is not writable: {err.strerror} ({code})") from None
@@ -208,7 +217,7 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
         raise ConfigError("data.path", str(err)) from None
     except OSError as err:
         raise ConfigError("run.dir", f"cannot copy the tokenizer {path} into {run_dir}: "
-                          f"{err.strerror or err}") from None
+                          f"{describe_os_error(err)}") from None
 
 
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import Config, ConfigError, flat_params
+from pretrain.run_files import AppendLog, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def _json_default(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `path`; on resume, cut back to `resume_step`."""
+    """Appends one JSON object per line to `path`; on resume, cut back to `resume_step`.
+    Every write is whole or nothing (pretrain/run_files.py): RunFileError if it fails."""
 
     def __init__(self, path: str | Path, resume_step: int | None):
         """Start a new log (resume_step None) or keep the records with step <= resume_step."""
@@ -57,18 +59,12 @@ class MetricsLog:
                     continue  # the torn last line of a killed job
                 if isinstance(record, dict) and record.get("step", 0) <= resume_step:
                     kept.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(line + "\n" for line in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
+        self._file = AppendLog(self.path)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write `record` as one JSON line and flush it."""
-        self._file.write(json.dumps(record, default=_json_default) + "\n")
-        self._file.flush()
+        """Write `record` as one JSON line."""
+        self._file.append(json.dumps(record, default=_json_default))
 
     def close(self) -> None:
         """Close the file."""

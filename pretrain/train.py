@@ -138,7 +138,7 @@ class Trainer:
                 "parallel": dataclasses.asdict(self.cfg.parallel), "world": layout.world,
                 "config": self.cfg.run.name, "fingerprint": self.fingerprint}
         path = self.checkpointer.save(self.step, meta, keep=self.cfg.checkpoint.keep,
-                                      protect=self.protected_checkpoint)
+                                      protect=self._protected)
         self.saved_step = self.step
         return path
 
@@ -205,15 +205,19 @@ class Trainer:
             record.update(loss=None, grad_norm=None, skipped=True)
 
     def _count_skip(self, finite: bool) -> None:
-        """Track the streak of skipped steps; its first step pins the checkpoint before it."""
-        from pretrain import checkpoint
-
+        """Track the streak of skipped steps; its first step pins the newest checkpoint taken
+        before it, committed or still being written (checkpoint.async)."""
         if finite:
             self.skip_streak, self.protected_checkpoint = 0, None
             return
         self.skip_streak += 1
-        if self.skip_streak == 1 and self.layout.is_main:
-            self.protected_checkpoint = checkpoint.latest_checkpoint(self.ckpt_dir)
+        if self.skip_streak == 1 and self.saved_step is not None:
+            self.protected_checkpoint = checkpoint_dir(self.ckpt_dir, self.saved_step)
+
+    def _protected(self) -> set[Path]:
+        """What no commit of this run may prune, asked at each commit: the checkpoint it
+        resumed from and the one pinned before a streak of skipped steps."""
+        return {p for p in (self.resume_from, self.protected_checkpoint) if p is not None}
 
 
 def _print_main(layout: Layout, *lines: str) -> None:

@@ -45,6 +45,112 @@ def test_a_full_disk_at_a_save_stops_every_rank_naming_the_path(tiny_data, tmp_p
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002"]  # no temp dir left
 
 
+@pytest.fixture
+def small_tmpfs():
+    """mount(directory, size): a real tmpfs of `size` on `directory` (root only: the test
+    skips otherwise), unmounted after the test."""
+    import os
+    import subprocess
+
+    mounted = []
+
+    def mount(directory: Path, size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        directory.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                               str(directory)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+        mounted.append(directory)
+        return directory
+
+    yield mount
+    for directory in reversed(mounted):
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Write a file into `directory` until its file system has no byte left."""
+    import errno
+
+    with open(directory / "filler", "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(bytes(chunk))
+            except OSError as err:
+                assert err.errno == errno.ENOSPC, err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["false", "true"])
+def test_a_real_full_disk_inside_torchs_writer_says_enospc_and_the_file(
+        tiny_data, tmp_path, small_tmpfs, mode):
+    """/dev/full above fails in Python's open; a full file system fails inside torch's
+    writer, which says only "unexpected pos" unless its exception chain is read."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    ckpts = small_tmpfs(run_dir / "checkpoints", "1m")  # one 0.6 MB checkpoint fits
+    result = subprocess.run(
+        train_cmd(tiny_data, run_dir, "train.steps=4", "checkpoint.every=1",
+                  "checkpoint.keep=0", f"checkpoint.async={mode}", "tracking.enabled=false",
+                  "data.val_batches=0"), capture_output=True, text=True, timeout=240,
+        cwd=ROOT, env=_env_with())
+    assert result.returncode == 74, result.stderr
+    assert f"cannot write the checkpoint of step 2 into {ckpts}: No space left on device " \
+           "[ENOSPC] (" in result.stderr, result.stderr
+    assert "/tensors/__0_0.distcp)" in result.stderr
+    assert latest_checkpoint(ckpts, verify_hashes=True) == checkpoint_dir(ckpts, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_at_start_exits_naming_it_and_keeps_the_run_files(
+        tiny_data, tmp_path, small_tmpfs):
+    import subprocess
+
+    run_dir = small_tmpfs(tmp_path / "run", "20m")
+    quiet = ["tracking.enabled=false", "data.val_batches=0"]
+    done = run(train_cmd(tiny_data, run_dir, "train.steps=3", *quiet))
+    assert done.returncode == 0, done.stderr
+    config, metrics = (run_dir / "config.yaml").read_text(), \
+        (run_dir / "metrics.jsonl").read_text()
+    fill(run_dir)
+    result = subprocess.run(
+        train_cmd(tiny_data, run_dir, "train.steps=4", "train.resume=auto", *quiet,
+                  "run.name=" + "a-long-name-" * 200), capture_output=True, text=True,
+        timeout=240, cwd=ROOT, env=_env_with())
+    assert result.returncode in (2, 74), result.stderr
+    assert "Traceback" not in result.stderr
+    assert str(run_dir) in result.stderr and "ENOSPC" in result.stderr, result.stderr
+    assert (run_dir / "config.yaml").read_text() == config  # never cut off
+    assert (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in run_dir.iterdir() if "tmp" in p.name) == []
+
+
+def test_run_files_on_a_full_disk_are_kept_whole_and_named(tmp_path, small_tmpfs):
+    from pretrain.run_files import RunFileError, write_atomic
+    from pretrain.tracking import MetricsLog
+
+    directory = small_tmpfs(tmp_path / "disk", "64k")
+    config, metrics = directory / "config.yaml", directory / "metrics.jsonl"
+    write_atomic(config, "model:\n  d_model: 32\n")
+    with MetricsLog(metrics, resume_step=None) as log:
+        log.log({"step": 1, "loss": 2.0})
+        fill(directory)
+        with pytest.raises(RunFileError, match=rf"cannot write {metrics}: .*\[ENOSPC\]"):
+            log.log({"step": 2, "loss": 1.0, "padding": "x" * 8192})
+    with pytest.raises(RunFileError, match=rf"cannot write {config}: .*\[ENOSPC\]"):
+        write_atomic(config, "model:\n  d_model: 64\n" + "#" * 8192)
+    with pytest.raises(RunFileError, match=r"\[ENOSPC\]"):
+        MetricsLog(metrics, resume_step=1)  # a resume rewrites the rows it keeps: no room
+    assert config.read_text() == "model:\n  d_model: 32\n"
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n'
+    assert sorted(p.name for p in directory.iterdir()) == ["config.yaml", "filler",
+                                                            "metrics.jsonl"]
+
+
 @pytest.mark.parametrize("where", ["run.dir", "checkpoints"])
 def test_unwritable_run_or_checkpoint_dir_exits_2_at_start(tiny_data, tmp_path, where):
     blocker = tmp_path / "a-file"

@@ -255,6 +255,10 @@ def test_cli_json_output_and_no_cache(trained_run, tmp_path, capsys):
 
 @pytest.mark.timeout(240)
 def test_cli_bad_input_exits_2_naming_it(trained_run, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     not_jsonl = tmp_path / "prompts.txt"
     not_jsonl.write_text("just some text\n")
     empty = tmp_path / "empty.jsonl"
@@ -264,6 +268,11 @@ def test_cli_bad_input_exits_2_naming_it(trained_run, tmp_path, capsys):
     from pretrain.checkpoint_tools import run_tool
 
     run_tool("export", latest_checkpoint(trained_run / "checkpoints"), False, exported)
+    misshapen = tmp_path / "misshapen"
+    shutil.copytree(exported, misshapen)
+    weights = load_file(misshapen / "model.safetensors")
+    weights["final_norm.weight"] = torch.ones(33)  # d_model is 32
+    save_file(weights, misshapen / "model.safetensors")
     (exported / "tokenizer.model").unlink()
     run = ["--run", str(trained_run)]
     cases = [
@@ -274,6 +283,11 @@ def test_cli_bad_input_exits_2_naming_it(trained_run, tmp_path, capsys):
         ([*run, "--prompt", "The", "--max-new-tokens", "40"],
          "--max-new-tokens: --max-new-tokens 40 runs past the model's context"),
         ([*run, "--prompt", "The", "--temperature", "0"], "--temperature: must be > 0"),
+        (["--checkpoint", str(misshapen), "--prompt", "x"],
+         "final_norm.weight: checkpoint shape (33,) does not fit this model's (32,)"),
+        # What Python makes of the argument bytes 61 ff (`--prompt "$(printf 'a\xff')"`).
+        ([*run, "--prompt", b"a\xff".decode("utf-8", "surrogateescape")],
+         "--prompt: is not UTF-8 text: byte 0xff at offset 1"),
     ]
     for args, message in cases:
         status, _, err = generate_cli(capsys, *args)

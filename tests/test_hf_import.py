@@ -177,15 +177,28 @@ def test_continued_pretraining_of_an_imported_llama(llama_dir, tmp_path):
 
 @pytest.mark.parametrize("case, key", [
     ("not-hf", "config.json"), ("architecture", "architectures"),
-    ("rope", "rope_parameters.rope_type"), ("tokenizer", "vocab_size")])
+    ("rope", "rope_parameters.rope_type"), ("tokenizer", "vocab_size"),
+    ("wrong-shape", "model.layers.1.mlp.up_proj.weight"), ("truncated", "model.safetensors")])
 def test_bad_input_exits_2_naming_the_file_and_key(llama_dir, tmp_path, capsys, case, key):
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     from pretrain.cli import main
 
     source = tmp_path / "hf"
+    weights = source / "model.safetensors"
     if case == "not-hf":
         source.mkdir()
+    elif case == "wrong-shape":
+        shutil.copytree(llama_dir, source)
+        state = load_file(weights)
+        state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(175, 64)  # 176 rows
+        save_file(state, weights)
+    elif case == "truncated":
+        shutil.copytree(llama_dir, source)
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
     else:
         shutil.copytree(llama_dir, source)
         config = json.loads((source / "config.json").read_text())

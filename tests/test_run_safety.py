@@ -167,7 +167,7 @@ def three_checkpoints(tiny_data, tmp_path_factory) -> Path:
     return run_dir
 
 
-def _corrupt(path: Path) -> None:
+def corrupt_a_byte(path: Path) -> None:
     with open(path, "r+b") as f:  # same size: only the sha256 can tell
         f.seek(200)
         byte = f.read(1)
@@ -180,7 +180,7 @@ def test_resume_passes_over_corrupt_and_incomplete_checkpoints_with_a_warning(
     run_dir = tmp_path / "run"
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
-    _corrupt(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+    corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
     (checkpoint_dir(ckpts, 4) / "manifest.json").unlink()
     resumed = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto",
                             "tracking.enabled=false"))
@@ -198,10 +198,51 @@ def test_resume_with_no_intact_checkpoint_exits_2_naming_them(
     shutil.copytree(three_checkpoints, run_dir)
     ckpts = run_dir / "checkpoints"
     for step in (2, 4, 6):
-        _corrupt(checkpoint_dir(ckpts, step) / "tensors/__0_0.distcp")
+        corrupt_a_byte(checkpoint_dir(ckpts, step) / "tensors/__0_0.distcp")
     before = (run_dir / "metrics.jsonl").read_text()
     refused = run(train_cmd(tiny_data, run_dir, "train.steps=7", "train.resume=auto"))
     assert refused.returncode == 2, refused.stderr
     for step in (2, 4, 6):
         assert f"step-0000000{step}" in refused.stderr
     assert (run_dir / "metrics.jsonl").read_text() == before  # never a silent restart
+
+
+def test_the_read_commands_pass_over_a_corrupt_newest_checkpoint_with_a_warning(
+        three_checkpoints, tmp_path, capsys):
+    """generate, eval, export-hf and lm-eval (through load_model) read a run's newest
+    intact checkpoint, as train.resume=auto does, and say which one they passed over."""
+    from pretrain.cli import main
+    from pretrain.load import load_model
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(three_checkpoints, run_dir)
+    ckpts = run_dir / "checkpoints"
+    corrupt_a_byte(checkpoint_dir(ckpts, 6) / "tensors/__0_0.distcp")
+    warning = (f"warning: not reading a newer checkpoint: {checkpoint_dir(ckpts, 6)}/tensors/"
+               f"__0_0.distcp: sha256 differs from the manifest (corrupt); using "
+               f"{checkpoint_dir(ckpts, 4)}")
+    commands = [["generate", "--run", str(run_dir), "--prompt", "The", "--max-new-tokens", "2"],
+                ["eval", "--run", str(run_dir)],
+                ["export-hf", "--run", str(run_dir), "--out", str(tmp_path / "hf")]]
+    for command in commands:
+        assert main(command) == 0, command
+        out, err = capsys.readouterr()
+        assert warning in err, command
+        if command[0] == "eval":
+            assert f"checkpoint {checkpoint_dir(ckpts, 4)} (step 4)" in out
+    load_model(run_dir)
+    assert warning in capsys.readouterr().err
+
+
+def test_an_index_whose_vocab_size_was_lowered_exits_2_at_start(tiny_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    index = json.loads((data / "index.json").read_text())
+    index["vocab_size"] = 400  # the tokenizer has 512 ids
+    (data / "index.json").write_text(json.dumps(index))
+    result = run(train_cmd(data, tmp_path / "run", "train.steps=3", "tracking.enabled=false"),
+                 timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"{data / 'index.json'}: vocab_size 400 differs from the 512 ids of its " \
+           "tokenizer" in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step

@@ -91,7 +91,7 @@ def zero_cases(root: str) -> dict:
 
     from parallel.zero import ZeroEngine
     from pretrain import sharded_checkpoint, zero_checkpoint
-    from pretrain.checkpoint import read_manifest
+    from pretrain.checkpoint import Retention, read_manifest
     from pretrain.run_checkpoint import save_run
     from tests.test_zero import build, config, zero_steps
 
@@ -103,8 +103,8 @@ def zero_cases(root: str) -> dict:
         internals = _owned_ranges_checked(zero)
         full = _full_state(zero)
         engine = types.SimpleNamespace(sharded_state=lambda z=zero: zero_checkpoint.local_state(z))
-        path = save_run(engine, Path(root) / f"zero{stage}", 2, {"step": 2}, keep=0,
-                        protect=None, rank=rank, world=2)
+        path = save_run(engine, Path(root) / f"zero{stage}", 2, {"step": 2}, Retention(keep=0),
+                        rank=rank, world=2)
         written = sharded_checkpoint.read_checkpoint(path)
         written = (written["model"], written["optimizer"])
         cfg_other = config(f"parallel.zero_stage={other}")

@@ -143,8 +143,10 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the config as YAML."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    """Write the config as YAML, atomically (RunFileError naming the file if it fails)."""
+    from pretrain.run_files import write_atomic
+
+    write_atomic(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def flat_params(cfg: Config) -> dict[str, Any]:

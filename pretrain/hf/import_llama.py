@@ -66,12 +66,17 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def read_weights(hf_dir: Path) -> dict:
-    """{Hugging Face name: tensor} of every safetensors file of the directory."""
+    """{Hugging Face name: tensor} of every safetensors file of the directory; ImportRefused
+    naming a file that cannot be read (truncated, not safetensors)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = hf_dir / WEIGHTS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ImportRefused(index, "weight_map", f"is unreadable ({err})") from None
     elif (hf_dir / WEIGHTS).is_file():
         files = [WEIGHTS]
     else:
@@ -79,8 +84,25 @@ def read_weights(hf_dir: Path) -> dict:
                             "safetensors weights are read")
     state = {}
     for name in files:
-        state.update(load_file(str(hf_dir / name)))
+        try:
+            state.update(load_file(str(hf_dir / name)))
+        except (OSError, SafetensorError) as err:
+            raise ImportRefused(hf_dir / name, "safetensors", f"cannot be read ({err}): "
+                                "truncated or not a safetensors file") from None
     return state
+
+
+def check_shapes(hf: dict, model, cfg, hf_dir: Path) -> None:
+    """ImportRefused naming the first weight whose shape differs from what config.json
+    describes (the shape our model's weights take in transformers' layout)."""
+    from pretrain.hf.llama_weights import to_hf
+
+    ours = {name: param.detach() for name, param in model.named_parameters()}
+    expected = {name: tuple(t.shape) for name, t in to_hf(ours, cfg, trim_vocab=True).items()}
+    for name, tensor in hf.items():
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise ImportRefused(hf_dir, name, f"has shape {tuple(tensor.shape)}, but "
+                                f"config.json describes {expected[name]}")
 
 
 def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
@@ -92,6 +114,7 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
     from data_pipeline import DataError
     from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file, load_tokenizer
     from parallel import groups
+    from pretrain.checkpoint import Retention
     from pretrain.config import Config, config_to_dict, save_config
     from pretrain.hf.llama_weights import from_hf
     from pretrain.model import DenseFormer, DenseFormerConfig
@@ -121,7 +144,9 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model = DenseFormer(model_cfg, seed=cfg.train.seed)
-        state = from_hf(read_weights(hf_dir), model_cfg, hf_dir)
+        weights = read_weights(hf_dir)
+        check_shapes(weights, model, model_cfg, hf_dir)
+        state = from_hf(weights, model_cfg, hf_dir)
         if model.dwa_alpha is not None:  # identity DWAs: the model's own initial alphas
             state["dwa_alpha"] = model.dwa_alpha.detach().clone()
         load_full_model_state(model, state)
@@ -135,8 +160,7 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
                                            cfg.train.seed)}
         engine = _Weights(model, build_optimizer(model, cfg.optim))
         with torch.no_grad():
-            save_run(engine, tmp / "checkpoints", 0, meta, keep=0, protect=None, rank=0,
-                     world=1)
+            save_run(engine, tmp / "checkpoints", 0, meta, Retention(keep=0), rank=0, world=1)
         if out.exists():
             out.rmdir()  # empty, as cmd_import_hf checked
         os.replace(tmp, out)
