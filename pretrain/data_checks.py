@@ -9,15 +9,17 @@ from pretrain.config import Config, ConfigError
 
 def check_data(cfg: Config, index=None):
     """The DatasetIndex of cfg.data.path, checked: index, tokenizer hash and shard sizes
-    (`read_index`), then the vocabulary, sequence length and validation split against the
-    config. `index`: one already read (and checked) for this path. Raises ConfigError naming
+    (`read_index`), the index's vocabulary against its tokenizer's, then the vocabulary,
+    sequence length and validation split against the config. `index`: one already read (and checked) for this path. Raises ConfigError naming
     the key, or DataError naming the file."""
     from data_pipeline.index import read_index
+    from data_pipeline.tokenizer import check_index_vocabulary
 
     if cfg.data.path is None:
         raise ConfigError("data.path", "is required: a directory written by "
                           "`python -m data_pipeline prepare`")
     index = index if index is not None else read_index(cfg.data.path)
+    check_index_vocabulary(index)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < index.vocab_size:
         raise ConfigError("model.vocab_size",  # a larger one is fine (reserved rows)
                           f"{cfg.model.vocab_size} is smaller than the tokenizer's "
