@@ -10,8 +10,9 @@ from pretrain.config import Config, ConfigError
 def check_data(cfg: Config, index=None):
     """The DatasetIndex of cfg.data.path, checked: index, tokenizer hash and shard sizes
     (`read_index`), the index's vocabulary against its tokenizer's, then the vocabulary,
-    sequence length and validation split against the config. `index`: one already read (and checked) for this path. Raises ConfigError naming
-    the key, or DataError naming the file."""
+    sequence length and validation split against the config. `index`: one already read
+    (and checked) for this path. Raises ConfigError naming the key, or DataError naming the
+    file."""
     from data_pipeline.index import read_index
     from data_pipeline.tokenizer import check_index_vocabulary
 

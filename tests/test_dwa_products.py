@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pretrain.model import DenseFormer
-from pretrain.model import dwa_products
+from pretrain.model import DenseFormer, dwa_products
 from pretrain.model.dwa_products import (
     contraction_path,
     forced_contraction,

@@ -118,5 +118,6 @@ def test_checkpointing_with_bf16_storage(mode, every):
 
 
 def test_bad_dwa_dtype_names_the_key():
-    with pytest.raises(ModelConfigError, match=r"model.dwa_dtype: must be fp32 or bf16, got 'fp16'"):
+    with pytest.raises(ModelConfigError,
+                       match=r"model.dwa_dtype: must be fp32 or bf16, got 'fp16'"):
         tiny(4, dwa_dtype="fp16")

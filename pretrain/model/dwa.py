@@ -40,7 +40,6 @@ from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.dwa_products import stored_output_grads, weighted_rows
 
 
-
 def storage_dtype(dwa_dtype: str) -> torch.dtype | None:
     """The buffers' dtype for `model.dwa_dtype`: None (the stream's own) for fp32."""
     return {"fp32": None, "bf16": torch.bfloat16}[dwa_dtype]
