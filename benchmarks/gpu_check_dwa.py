@@ -1,9 +1,7 @@
 """The GPU check's `dwa` part: what the DWAs cost in a train step, and alone.
 
 - dwa_steps: our Transformer and DenseFormer 1x1, 4x1, 4x5 with `model.dwa_dtype` fp32 and
-  bf16 (a DenseFormerConfig field; where the installed code lacks it, those rows are listed
-  as skipped with the reason, and each pattern runs once at the code's own storage instead),
-  and the nanoGPT-style anchor alone and with the official DWA (`--official PATH`, a
+  bf16, and the nanoGPT-style anchor alone and with the official DWA (`--official PATH`, a
   DenseFormer checkout) or the clean-room `ReferenceDWA` (benchmarks/nanogpt_anchor.py) at
   the same patterns; all eager, bf16 autocast, fused AdamW, interleaved
   (gpu_check_timing.py). Ratios: each of ours to our Transformer, each anchor row to the
@@ -18,8 +16,6 @@
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from gpu_check_perf import (
@@ -52,28 +48,12 @@ STEP_GOALS = {("1x1", "fp32"): 1.25, ("1x1", "bf16"): 1.15, ("4x5", "fp32"): 1.0
               ("4x5", "bf16"): 1.05}
 ADDED_GOAL = 0.5
 ADDED_GOAL_PATTERNS = ("1x1", "4x5")
-NO_STORAGE_KEY = ("this code's DenseFormerConfig has no dwa_dtype field (model.dwa_dtype "
-                  "comes with issue 30); the pattern ran once, at the code's own storage")
 
 
-def has_storage_dtype() -> bool:
-    """Whether the installed model code has the `model.dwa_dtype` key."""
-    from pretrain.model import DenseFormerConfig
-
-    return "dwa_dtype" in {f.name for f in dataclasses.fields(DenseFormerConfig)}
-
-
-def our_rows(storage_key: bool) -> tuple[dict[str, tuple[str, str, str | None]], dict]:
-    """({row: (paper variant, pattern, storage dtype or None)}, {skipped row: reason})."""
-    rows, skipped = {}, {}
-    for pattern in PATTERNS:
-        if storage_key:
-            for storage in STORAGE:
-                rows[f"dense-{pattern}/{storage}"] = (f"dense-{pattern}", pattern, storage)
-        else:
-            skipped.update({f"dense-{pattern}/{s}": NO_STORAGE_KEY for s in STORAGE})
-            rows[f"dense-{pattern}"] = (f"dense-{pattern}", pattern, None)
-    return rows, skipped
+def our_rows() -> dict[str, tuple[str, str, str]]:
+    """{row: (paper variant, pattern, storage dtype)}: each pattern at each storage dtype."""
+    return {f"dense-{pattern}/{storage}": (f"dense-{pattern}", pattern, storage)
+            for pattern in PATTERNS for storage in STORAGE}
 
 
 def other_dwa(official_cls, n_layers: int, pattern: str) -> nn.Module:
@@ -86,12 +66,12 @@ def other_dwa(official_cls, n_layers: int, pattern: str) -> nn.Module:
 def section_dwa_steps(device: torch.device, shapes: Shapes, fused: bool, official_cls,
                       keep: dict) -> dict:
     """The step rows and ratios (module docstring); `keep` gets the models for dwa_alone."""
-    rows, skipped = our_rows(has_storage_dtype())
+    rows = our_rows()
     style = "official" if official_cls is not None else "reference"
     trainees = {"transformer": ours(load("transformer", shapes), device, shapes, fused)}
     for name, (variant, _, storage) in rows.items():
-        extra = () if storage is None else (f"model.dwa_dtype={storage}",)
-        trainees[name] = ours(load(variant, shapes, *extra), device, shapes, fused)
+        trainees[name] = ours(load(variant, shapes, f"model.dwa_dtype={storage}"), device,
+                              shapes, fused)
     trainees["anchor"] = anchor(load("transformer", shapes), device, shapes, fused)
     for pattern in PATTERNS:
         cfg = load(f"dense-{pattern}", shapes)
@@ -123,19 +103,12 @@ def section_dwa_steps(device: torch.device, shapes: Shapes, fused: bool, officia
                              "measured against the clean-room ReferenceDWA; the goal is "
                              "against the official code (--official PATH)")
             goals.append({"measure": f"our DWA's added time / the official code's, {pattern}"
-                                     f", {storage or 'own'} storage", "row": name,
+                                     f", {storage} storage", "row": name,
                           **verdict(figures[name][f"added_time_vs_{style}"], ADDED_GOAL,
                                     "<=", why)})
     for pattern in PATTERNS:
         figures[f"{style}-{pattern}"]["vs_anchor"] = ratio_ci(times[f"{style}-{pattern}"],
                                                               times["anchor"])
-    for name, why in skipped.items():
-        figures[name] = {"status": "skipped", "reason": why}
-        pattern, storage = name.removeprefix("dense-").split("/")
-        if (pattern, storage) in STEP_GOALS:
-            goals.append({"measure": f"{pattern} step / Transformer step, {storage} storage",
-                          "row": name, **verdict(None, STEP_GOALS[pattern, storage], "<=",
-                                                 f"row skipped: {why}")})
     return {**timing_header(device, shapes, fused), "peak": peak, "other_dwa": style,
             "rows": figures, "goals": goals}
 
@@ -149,7 +122,7 @@ def section_dwa_alone(device: torch.device, shapes: Shapes, official_cls, keep: 
     from pretrain.evaluate import autocast_for
     from pretrain.model.dwa_layout import buffered_traffic
 
-    rows, _ = our_rows(has_storage_dtype())
+    rows = our_rows()
     style = "official" if official_cls is not None else "reference"
     m = load("transformer", shapes).model
     x0 = torch.randn(shapes.batch, m.seq_len, m.d_model, device=device, requires_grad=True)

@@ -64,12 +64,6 @@ def test_the_blocker_refuses_deepspeed_and_mlflow(bare_env):
 
 
 
-def has_storage_dtype() -> bool:
-    from gpu_check_dwa import has_storage_dtype as has
-
-    return has()
-
-
 def assert_interval(ci: dict, n: int = 6) -> None:
     """A median with its interval from n rounds, in order."""
     assert ci["n"] == n and ci["low"] <= ci["median"] <= ci["high"], ci
@@ -81,13 +75,9 @@ def assert_dwa_part(sections: dict, other: str) -> None:
     assert steps["part"] == alone["part"] == "dwa" and steps["timer"] == "perf_counter"
     assert steps["other_dwa"] == alone["other_dwa"] == other
     rows = steps["rows"]
-    storage_key = has_storage_dtype()
-    ours = [f"dense-{p}/{s}" for p in ("1x1", "4x1", "4x5") for s in ("fp32", "bf16")]
-    ran = ours if storage_key else ["dense-1x1", "dense-4x1", "dense-4x5"]
-    assert set(rows) == {"transformer", "anchor", *ours, *ran,
+    ran = [f"dense-{p}/{s}" for p in ("1x1", "4x1", "4x5") for s in ("fp32", "bf16")]
+    assert set(rows) == {"transformer", "anchor", *ran,
                          *(f"{other}-{p}" for p in ("1x1", "4x1", "4x5"))}
-    for name in set(ours) - set(ran):
-        assert rows[name]["status"] == "skipped" and "dwa_dtype" in rows[name]["reason"]
     tokens = steps["batch"] * 32
     for name in ran + ["transformer", "anchor"]:
         r = rows[name]
@@ -95,6 +85,7 @@ def assert_dwa_part(sections: dict, other: str) -> None:
         assert r["tokens_per_s"] == pytest.approx(tokens / r["median_step_s"])
         assert r["mfu"] == pytest.approx(r["model_tflops"] * 1e12 / steps["peak"]["flops"])
     for name in ran:
+        assert rows[name]["dwa_dtype"] == name.split("/")[1]
         assert_interval(rows[name]["vs_transformer"])
         assert_interval(rows[name][f"added_time_vs_{other}"])
         assert rows[name]["last_loss"] < 7  # ln(512) = 6.24 at init: a finite, sane loss
@@ -103,8 +94,8 @@ def assert_dwa_part(sections: dict, other: str) -> None:
     goals = steps["goals"]
     assert {g["row"] for g in goals if "step" in g["measure"]} == {
         f"dense-{p}/{s}" for p, s in STEP_GOALS}
-    assert len(goals) == 4 + 2 * (2 if storage_key else 1)
-    assert all(g["met"] is None and "paper shape" in g["reason"] or "skipped" in g["reason"]
+    assert len(goals) == 4 + 2 * 2  # step goals; added time at 1x1 and 4x5, both storages
+    assert all(g["met"] is None and "paper shape" in g["reason"]
                for g in goals), goals  # never judged on the CPU
     bandwidth = alone["copy_bandwidth"]["best_bytes_per_s"]
     assert set(alone["rows"]) == set(ran) | {f"{other}-{p}" for p in ("1x1", "4x1", "4x5")}
@@ -305,12 +296,6 @@ def test_rounds_interleave_every_configuration_in_a_rotated_order():
                for rounds in times.values())
 
 
-@pytest.mark.parametrize("storage_key", [True, False])
-def test_dwa_rows_pass_the_storage_dtype_or_say_why_not(storage_key):
-    rows, skipped = our_rows(storage_key)
-    if storage_key:
-        assert skipped == {} and rows["dense-4x5/bf16"] == ("dense-4x5", "4x5", "bf16")
-        assert len(rows) == 6
-    else:
-        assert set(rows) == {"dense-1x1", "dense-4x1", "dense-4x5"} and len(skipped) == 6
-        assert all("dwa_dtype" in why for why in skipped.values())
+def test_dwa_rows_cover_every_pattern_at_both_storage_dtypes():
+    rows = our_rows()
+    assert rows["dense-4x5/bf16"] == ("dense-4x5", "4x5", "bf16") and len(rows) == 6
