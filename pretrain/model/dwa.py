@@ -61,9 +61,12 @@ class _BufferPool:
         self.free: dict[tuple, list[torch.Tensor]] = {}
         self.per_shape = per_shape
 
-    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        free = self.free.get((shape, like.dtype, like.device))
-        return free.pop() if free else like.new_empty(shape)
+    def take(self, shape: tuple[int, ...], like: torch.Tensor,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised tensor on `like`'s device, in `dtype` (None: `like`'s)."""
+        dtype = dtype or like.dtype
+        free = self.free.get((shape, dtype, like.device))
+        return free.pop() if free else like.new_empty(shape, dtype=dtype)
 
     def give_back(self, *groups: dict[int, torch.Tensor]) -> None:
         for tensor in (t for group in groups for t in group.values()):
@@ -86,8 +89,7 @@ class DWABuffers:
         self.layout = layout
         # alpha as this forward pass applies it (one small copy, in the stream's dtype).
         self.alpha = alpha.detach().to(like.dtype, copy=True)
-        stored_like = like if storage_dtype is None else like.to(storage_dtype)
-        self.values = {r: _POOL.take((n, *like.shape), stored_like)
+        self.values = {r: _POOL.take((n, *like.shape), like, storage_dtype)
                        for r, n in layout.class_sizes.items()}
         self.output_grads: dict[int, torch.Tensor] = {}
         # Consumers whose diagonal term took the live X_c (its gradient went there).
