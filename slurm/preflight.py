@@ -39,10 +39,10 @@ def _existing(path: Path) -> Path:
 
 def _check_run_dir(run_dir: Path) -> None:
     """The trainer's run-directory checks that can be made from here: writable, not locked."""
-    from pretrain.run_dir import RunDirLock, check_writable
+    from pretrain.run_dir import LOCK_FILE, RunDirLock, check_writable
 
     check_writable(_existing(run_dir), "run.dir")
-    if (run_dir / ".lock").exists():
+    if (run_dir / LOCK_FILE).exists():
         lock = RunDirLock(run_dir)
         lock.acquire()  # RunDirLocked (a ConfigError of run.dir) while a run holds it
         lock.release()
