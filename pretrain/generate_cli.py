@@ -3,8 +3,10 @@
     python -m pretrain generate --run runs/tiny --prompt "def main(" --max-new-tokens 40
     python -m pretrain generate --checkpoint exported/ --prompts prompts.jsonl --json
 
+With one `--prompt` and no `--json` the continuation streams to stdout as it is made.
 `--prompts` is JSONL, one {"prompt": TEXT} per line. `--json` prints one object per prompt:
-{"prompt", "completion", "tokens" (the new ids), "finish_reason" ("eos" or "length")}. Under
+{"prompt", "completion", "tokens" (the new ids), "finish_reason" ("eos" or "length")}. The time
+to the first token and the decoding speed go to stderr at the end (not with `--quiet`). Under
 torchrun the ranks form one tensor-parallel group and rank 0 prints.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from data_pipeline import DataError
@@ -42,6 +45,8 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--batch-size", type=int, default=8, metavar="B",
                      help="prompts generated together (default 8)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--quiet", action="store_true",
+                     help="no time-to-first-token and tokens/s line on stderr")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -114,19 +119,80 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ConfigError(key, str(error).replace("max_new_tokens", "--max-new-tokens")) \
                 from None
         printing = os.environ.get("RANK", "0") == "0"
+        streaming = printing and len(texts) == 1 and not args.json
+        speed = _Speed()
         for first in range(0, len(ids), args.batch_size):
             batch = ids[first:first + args.batch_size]
+            stream = _Stream(tokenizer, batch[0]) if streaming else None
+            if stream is not None:
+                print(texts[0], end="", flush=True)
+            timings: dict = {}
             completions = model.generate(
                 batch, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
-            if printing:
+                eos_id=tokenizer.eos_id, use_cache=not args.no_cache, timings=timings,
+                on_step=stream)
+            speed.add(timings, completions)
+            if stream is not None:
+                stream(completions, final=True)
+                print(flush=True)
+            elif printing:
                 for number, completion in enumerate(completions, start=first):
-                    _print(texts[number], tokenizer.decode(completion.tokens), completion,
-                           number, args.json)
+                    text = continuation(tokenizer, ids[number], completion.tokens)
+                    _print(texts[number], text, completion, number, args.json)
+        if printing and not args.quiet:
+            print(speed.line(), file=sys.stderr, flush=True)
     finally:
         groups.destroy()
     return 0
+
+
+def continuation(tokenizer, prompt: list[int], tokens: list[int]) -> str:
+    """The text `tokens` add after `prompt`: decoded with the prompt, so that a leading
+    space (which a tokenizer drops at the start of a decoded text) is kept."""
+    before = tokenizer.decode(prompt)
+    after = tokenizer.decode(prompt + tokens)
+    return after[len(before):] if after.startswith(before) else tokenizer.decode(tokens)
+
+
+class _Stream:
+    """Writes the first prompt's continuation to stdout as its tokens come (`on_step`)."""
+
+    def __init__(self, tokenizer, prompt: list[int]):
+        self.tokenizer, self.prompt = tokenizer, prompt
+        self.shown = ""
+
+    def __call__(self, completions, final: bool = False) -> None:
+        text = continuation(self.tokenizer, self.prompt, completions[0].tokens)
+        # U+FFFD at the end: a character whose bytes are not all generated yet; wait for them.
+        if not final and text.endswith("\ufffd"):
+            return
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+
+class _Speed:
+    """Time to the first token and new tokens per second, over every batch."""
+
+    def __init__(self):
+        self.first_token_s: float | None = None
+        self.seconds = 0.0
+        self.tokens = 0
+        self.finish: list[str] = []
+
+    def add(self, timings: dict, completions) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = timings["first_token_s"]
+        self.seconds += timings["prefill_s"] + timings["decode_s"]
+        self.tokens += sum(len(c.tokens) for c in completions)
+        self.finish += [c.finish_reason for c in completions]
+
+    def line(self) -> str:
+        reasons = ", ".join(sorted(set(self.finish)))
+        return (f"[{self.tokens} new tokens, {reasons}] time to first token "
+                f"{self.first_token_s:.3f} s, {self.tokens / max(self.seconds, 1e-9):.1f} "
+                f"tokens/s ({self.seconds:.2f} s in all)")
 
 
 def _print(prompt: str, text: str, completion, number: int, as_json: bool) -> None:

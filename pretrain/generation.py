@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -241,13 +242,16 @@ class _UncachedSteps:
 def generate(model, prompts: list[list[int]], max_new_tokens: int | None = None, *,
              greedy: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, eos_id: int | None = None,
-             use_cache: bool = True, timings: dict | None = None) -> list[Completion]:
+             use_cache: bool = True, timings: dict | None = None,
+             on_step: Callable[[list[Completion]], None] | None = None) -> list[Completion]:
     """Continue each prompt (a list of token ids) with `model` (a DenseFormer, any TP size:
     every TP rank gets the same logits and so the same tokens); one Completion per prompt.
 
     `max_new_tokens` None fills each row's context. Sampling (not `greedy`) is reproducible
-    for the same seed, prompts and batch. `timings`, if given, receives prefill_s and
-    decode_s (wall seconds, device synchronised) and decode_steps."""
+    for the same seed, prompts and batch. `timings`, if given, receives prefill_s,
+    first_token_s (the call's start to the first token on the host), decode_s (wall seconds,
+    device synchronised) and decode_steps. `on_step`, if given, is called with the
+    completions after every step's tokens are added (to stream them)."""
     if not prompts:
         raise ValueError("no prompts")
     vocab = model.config.vocab_size
@@ -271,9 +275,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | None = None,
             _sync(device)
             prefilled = time.perf_counter()
             decode_steps = 0
+            first_token = None
             while any(not c.finish_reason for c in completions):
                 chosen = sample_next(logits, generator, greedy, temperature, top_k, top_p)
                 _record(completions, chosen.tolist(), budgets, eos_id)
+                if first_token is None:
+                    first_token = time.perf_counter()
+                if on_step is not None:
+                    on_step(completions)
                 if isinstance(steps, _UncachedSteps):
                     steps.active = [not c.finish_reason for c in completions]
                 if all(c.finish_reason for c in completions):
@@ -284,7 +293,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int | None = None,
     finally:
         model.train(was_training)
     if timings is not None:
-        timings.update(prefill_s=prefilled - started,
+        timings.update(prefill_s=prefilled - started, first_token_s=(first_token or prefilled)
+                       - started,
                        decode_s=time.perf_counter() - prefilled, decode_steps=decode_steps)
     return completions
 

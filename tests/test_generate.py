@@ -248,9 +248,56 @@ def test_cli_json_output_and_no_cache(trained_run, tmp_path, capsys):
         assert record["finish_reason"] in (FINISH_EOS, FINISH_LENGTH)
         assert len(record["tokens"]) == 6 or record["finish_reason"] == FINISH_EOS
         assert isinstance(record["completion"], str)
-    status, out, _ = generate_cli(capsys, "--run", str(trained_run), "--prompt", "The",
-                                  "--max-new-tokens", "4", "--seed", "1")
-    assert status == 0 and out.startswith("=== prompt 1 (")
+    status, out, err = generate_cli(capsys, "--run", str(trained_run), "--prompts",
+                                    str(prompts), "--max-new-tokens", "4", "--seed", "1")
+    assert status == 0 and out.startswith("=== prompt 1 (") and "tokens/s" in err
+
+
+class _Writes:
+    """A stdout that keeps each write, to see text arrive in pieces."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(240)
+def test_cli_one_prompt_streams_and_reports_speed(trained_run, capsys, monkeypatch):
+    from pretrain.cli import main
+
+    args = ["generate", "--run", str(trained_run), "--prompt", "The", "--max-new-tokens", "6",
+            "--greedy"]
+    stdout = _Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(args) == 0
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    text = "".join(stdout.writes)
+    _, json_out, _ = generate_cli(capsys, *args[1:], "--json")
+    record = json.loads(json_out)
+    # The prompt, then the continuation token by token (each piece flushed), then a newline.
+    assert text == "The" + record["completion"] + "\n"
+    pieces = [w for w in stdout.writes[1:-1] if w and w != "\n"]
+    assert len(pieces) > 1 and "".join(pieces) == record["completion"]
+    assert "time to first token" in err and "tokens/s" in err
+    _, out, err = generate_cli(capsys, *args[1:], "--quiet")
+    assert out == text and err == ""
+
+
+def test_on_step_sees_every_token_as_it_is_made():
+    model = tiny_model("1x1")
+    seen: list[list[int]] = []
+    timings: dict = {}
+    out = model.generate(PROMPTS[:1], 5, greedy=True, timings=timings,
+                         on_step=lambda completions: seen.append(list(completions[0].tokens)))
+    assert seen == [out[0].tokens[:n] for n in range(1, 6)]
+    assert 0 < timings["first_token_s"] <= timings["prefill_s"] + timings["decode_s"]
 
 
 @pytest.mark.timeout(240)
