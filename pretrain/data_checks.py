@@ -12,7 +12,8 @@ def check_data(cfg: Config, index=None):
     (`read_index`), the index's vocabulary against its tokenizer's, then the vocabulary,
     sequence length and validation split against the config. `index`: one already read
     (and checked) for this path. Raises ConfigError naming the key, or DataError naming the
-    file."""
+    file. A model.seq_len longer than the data's is no error: the run trains at the data's
+    length (`trained_seq_len`)."""
     from data_pipeline.index import read_index
     from data_pipeline.tokenizer import check_index_vocabulary
 
@@ -25,9 +26,6 @@ def check_data(cfg: Config, index=None):
         raise ConfigError("model.vocab_size",  # a larger one is fine (reserved rows)
                           f"{cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary of {index.vocab_size} in {cfg.data.path}/index.json")
-    if index.seq_len < cfg.model.seq_len:
-        raise ConfigError("model.seq_len", f"{cfg.model.seq_len} exceeds the data's "
-                          f"sequence length {index.seq_len} ({cfg.data.path})")
     val_samples = sum(s.num_samples for s in index.split_shards.get("val", []))
     if cfg.data.val_batches and val_samples < cfg.train.batch_size:
         raise ConfigError("data.path", f"{cfg.data.path} has {val_samples} validation "
@@ -35,3 +33,15 @@ def check_data(cfg: Config, index=None):
                           f"{cfg.train.batch_size}: prepare it with --val-fraction > 0, "
                           "or set data.val_batches=0 to train without validation")
     return index
+
+
+def trained_seq_len(cfg: Config, index) -> tuple[int, str | None]:
+    """The sequence length a run trains at: model.seq_len, or the data's when that is
+    shorter (an imported model's context is often longer than the data prepared for it);
+    with the note that says so, else None."""
+    if index.seq_len >= cfg.model.seq_len:
+        return cfg.model.seq_len, None
+    return index.seq_len, (f"note: model.seq_len {cfg.model.seq_len} is longer than the "
+                           f"data's sequence length {index.seq_len} ({cfg.data.path}): "
+                           f"training at {index.seq_len}, and the run's model.seq_len is "
+                           f"{index.seq_len}")

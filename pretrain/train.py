@@ -63,15 +63,20 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         from data_pipeline.loader import TrainLoader
-        from pretrain.data_checks import check_data
+        from pretrain.data_checks import check_data, trained_seq_len
         from pretrain.engine import build_engine
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
         self.layout = layout = setup_layout(cfg)
         self.index = check_data(cfg)
-        # The vocabulary comes from the data: a resolved copy of the config, not a mutation.
-        cfg = dataclasses.replace(cfg, model=cfg.model.with_vocab(self.index.vocab_size))
+        seq_len, note = trained_seq_len(cfg, self.index)
+        if note and layout.is_main:
+            write_line(note)
+        # The vocabulary (and a too long seq_len) come from the data: a resolved copy of the
+        # config, not a mutation.
+        model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)
+        cfg = dataclasses.replace(cfg, model=model)
         self.cfg = cfg
         self.model_cfg = cfg.model
         self.fingerprint = fingerprint(config_to_dict(cfg)["model"],

@@ -123,6 +123,25 @@ def test_generate_and_tokenizer_of_the_export(bpe, tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_autotokenizer_reads_a_sentencepiece_export(tmp_path):
+    """transformers 5 converts a tokenizer.model on loading; with the export's
+    tokenizer_config.json it gives training's ids (no BOS), EOS, and EOS as padding."""
+    from transformers import AutoTokenizer
+
+    from data_pipeline.tokenizer import load_tokenizer, train_tokenizer
+    from pretrain.hf.export import export_hf
+    from tests.data_fixtures import make_documents
+
+    documents = make_documents()
+    ours = load_tokenizer(train_tokenizer(documents, tmp_path / "tokenizer.model", VOCAB, 0))
+    export_hf(write_export(trained_like("1x1"), ours.path, tmp_path / "native"), tmp_path / "hf")
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    texts = [*documents, "def main():\n    return 1", " leading space", "ünïcode ✓ 漢字"]
+    assert [theirs(t)["input_ids"] for t in texts] == [ours.encode(t) for t in texts]
+    assert theirs.eos_token_id == theirs.pad_token_id == ours.eos_id is not None
+
+
+@pytest.mark.timeout(180)
 def test_lm_eval_hf_model_reads_the_export(bpe, tmp_path):
     """lm-eval's own `hf` model on the export scores a continuation as our model does."""
     pytest.importorskip("lm_eval")

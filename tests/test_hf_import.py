@@ -152,23 +152,31 @@ def test_export_back_to_transformers(llama_dir, tmp_path):
 @pytest.mark.timeout(300)
 def test_continued_pretraining_of_an_imported_llama(llama_dir, tmp_path):
     """The imported 1x1 DenseFormer trains on demo text tokenised with the Llama's own
-    tokenizer (`prepare --tokenizer HF_DIR`), starting from its weights (`train.init_from`)."""
+    tokenizer (`prepare --tokenizer HF_DIR`), starting from its weights (`train.init_from`),
+    as docs/huggingface.md writes it: the model's context (64) is longer than the data's
+    (32), so the run trains at 32 and says so once; the imported config warms up."""
     import sys
+
+    import yaml
 
     from tests.data_fixtures import make_documents, prepare_tiny, write_jsonl
     from tests.test_train import losses, run
 
     out = imported(llama_dir, tmp_path, "1x1")
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["warmup_steps"] > 0
     data = tmp_path / "data"
     prepare_tiny([write_jsonl(tmp_path / "corpus.jsonl", make_documents(400))], data,
                  tokenizer=llama_dir, vocab_size=None, seq_len=32)
-    sets = [f"data.path={data}", f"run.dir={tmp_path / 'continued'}", f"train.init_from={out}",
-            "model.seq_len=32", "train.steps=8", "train.batch_size=4", "optim.lr=3e-3",
-            "optim.warmup_steps=1", "data.val_batches=0", "tracking.enabled=false",
-            "train.log_every=1"]
+    continued = tmp_path / "continued"
+    recipe = [f"train.init_from={out}", f"data.path={data}", f"run.dir={continued}"]
+    quick = ["train.steps=16", "train.batch_size=4", "optim.lr=3e-3", "data.val_batches=0",
+             "tracking.enabled=false", "train.log_every=1"]
     done = run([sys.executable, "-m", "pretrain", "train", "--config", str(out / "config.yaml"),
-                *[a for s in sets for a in ("--set", s)]])
+                *[a for s in recipe + quick for a in ("--set", s)]])
     assert done.returncode == 0, done.stderr[-3000:]
+    notes = [line for line in (done.stdout + done.stderr).splitlines() if "model.seq_len" in line]
+    assert len(notes) == 1 and "training at 32" in notes[0], notes
+    assert yaml.safe_load((continued / "config.yaml").read_text())["model"]["seq_len"] == 32
     curve = losses(tmp_path / "continued")
     assert all(torch.isfinite(torch.tensor(v)) for v in curve.values())
     first, last = curve[min(curve)], curve[max(curve)]

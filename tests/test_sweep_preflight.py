@@ -1,6 +1,6 @@
 """`python -m slurm sweep --submit` runs every task's start-up checks before it queues
 anything: a sweep whose tasks would fail (bad data.path, a truncated shard, a changed
-tokenizer, seq_len beyond the data, an unwritable run directory) exits 2 naming the task and
+tokenizer, an unwritable run directory) exits 2 naming the task and
 the key, and writes nothing; `--no-preflight` skips the checks. No Slurm: PATH holds no
 sbatch, so a sweep that got past the checks stops at "sbatch not found"."""
 
@@ -37,8 +37,6 @@ def _spoil(data, how: str) -> list[str]:
     if how == "tokenizer changed":
         tokenizer = data / "tokenizer.model"
         tokenizer.write_bytes(tokenizer.read_bytes() + b"\n")
-    if how == "seq_len beyond the data":
-        return [f"data.path={data}", "model.seq_len=64"]
     return [f"data.path={data}"]
 
 
@@ -46,7 +44,6 @@ def _spoil(data, how: str) -> list[str]:
     ("missing", "data.path", "not a directory"),
     ("truncated shard", "data.path", "the index does not match the shard"),
     ("tokenizer changed", "data.path", "differs from"),
-    ("seq_len beyond the data", "model.seq_len", "exceeds the data's sequence length 32"),
 ])
 def test_a_sweep_whose_tasks_would_fail_is_not_queued(tmp_path, tiny_data, no_sbatch, capsys,
                                                       how, key, text):

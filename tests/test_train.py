@@ -84,7 +84,6 @@ def test_training_reduces_loss_and_resume_is_bitwise_exact(tiny_data, tmp_path):
     ("model.dwa_dilation=0", "model.dwa_dilation"),
     ("train.steps=abc", "train.steps"),
     ("model.no_such_key=1", "model.no_such_key"),
-    ("model.seq_len=64", "model.seq_len"),  # longer than the data's sequences
     ("model.vocab_size=300", "model.vocab_size"),  # differs from the tokenizer
 ])
 def test_invalid_config_exits_2_naming_the_key(tiny_data, tmp_path, override, key):

@@ -10,9 +10,11 @@ run's tokenizer file, so that
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
 gives the same logits as the trainer's model, and `generate` and lm-eval's `hf` model work.
-With a `tokenizer.json` the export also writes `tokenizer_config.json`, so `AutoTokenizer`
-loads it; a sentencepiece `tokenizer.model` is copied for `pretrain.load_tokenizer` (or
-sentencepiece) to read. The directory is written beside --out and renamed into place.
+Beside the tokenizer (a `tokenizer.json`, or a sentencepiece `tokenizer.model`, which
+transformers 5 converts on loading) the export writes `tokenizer_config.json`: no BOS added,
+as in training, and EOS (also the padding token) as our tokenizer found it, so
+`AutoTokenizer` gives the ids that training saw. The directory is written beside --out and
+renamed into place.
 """
 
 from __future__ import annotations
@@ -115,9 +117,8 @@ def export_hf(path: Path, out: Path) -> Path:
         if isinstance(hf_model, DenseFormerForCausalLM):
             shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
         shutil.copyfile(tokenizer.path, tmp / tokenizer.path.name)
-        if tokenizer.path.name == "tokenizer.json":
-            (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer),
-                                                                  indent=1) + "\n")
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tokenizer),
+                                                              indent=1) + "\n")
         if out.exists():
             out.rmdir()  # empty, as cmd_export_hf checked
         os.replace(tmp, out)
@@ -148,15 +149,21 @@ def llama_model(cfg, state: dict, tokenizer):
 
 
 def _tokenizer_config(tokenizer) -> dict:
-    """What `AutoTokenizer` needs beside a tokenizer.json: the class and the special tokens
-    our Tokenizer found (`data_pipeline.tokenizer.HF_EOS_TOKENS`)."""
-    from tokenizers import Tokenizer as RustTokenizer
+    """What `AutoTokenizer` needs beside the tokenizer file: for a tokenizer.json the class,
+    and the special tokens our Tokenizer found (`data_pipeline.tokenizer.HF_EOS_TOKENS`, a
+    sentencepiece model's own), none added."""
+    config = {"add_bos_token": False, "add_eos_token": False}
+    if tokenizer.path.name == "tokenizer.json":
+        from tokenizers import Tokenizer as RustTokenizer
 
-    rust = RustTokenizer.from_file(str(tokenizer.path))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
-              "add_eos_token": False}
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        token_text = RustTokenizer.from_file(str(tokenizer.path)).id_to_token
+    else:
+        import sentencepiece as spm
+
+        token_text = spm.SentencePieceProcessor(model_file=str(tokenizer.path)).id_to_piece
     for key, token_id in (("eos_token", tokenizer.eos_id), ("bos_token", tokenizer.bos_id),
                           ("pad_token", tokenizer.eos_id)):
         if token_id is not None:
-            config[key] = rust.id_to_token(token_id)
+            config[key] = token_text(token_id)
     return config

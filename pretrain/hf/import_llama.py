@@ -30,6 +30,7 @@ from pretrain.hf.llama_config import ImportRefused, model_section
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+IMPORT_WARMUP_STEPS = 10  # optim.warmup_steps of the imported config.yaml
 
 
 def add_parser(subparsers) -> None:
@@ -138,6 +139,10 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
                             "fall outside the model")
     cfg = dataclasses.replace(Config(), model=model_cfg)
     cfg.run.name = f"import-{hf_dir.name}"
+    # Continued pretraining starts a fresh AdamW on trained weights: its first steps, before
+    # the moment estimates settle, would move them the most. A warm-up in the config itself,
+    # whatever train.steps the run sets (5% of a short run rounds to none).
+    cfg.optim.warmup_steps = IMPORT_WARMUP_STEPS
     ours = not dist.is_initialized()
     groups.ensure_initialized(tp=1)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
