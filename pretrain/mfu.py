@@ -61,6 +61,7 @@ class Peak:
     flops: float
     source: str
     fixed: bool  # False: a CPU measurement, re-taken as training goes
+    versus: str = ""  # after "MFU 40%" in a log line when the peak is no datasheet's
 
 
 def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
@@ -73,11 +74,12 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> Peak:
             return Peak(spec, f"datasheet: dense {precision} peak of {name}", True)
         measured = measure_matmul_flops(device, dtype, size=8192, seconds=1.0)
         return Peak(measured, f"measured: {precision} matmul on {name}, which is not in "
-                    "the table of known devices (pretrain/mfu.py)", True)
+                    "the table of known devices (pretrain/mfu.py)", True,
+                    versus=" vs measured GPU matmul")
     measured = measure_matmul_flops(device, dtype, size=1024, seconds=0.3)
     return Peak(measured, f"measured: {precision} matmul on {device.type} with "
                 f"{torch.get_num_threads()} threads, re-measured every "
-                f"{CPU_REMEASURE_S:.0f} s", fixed=False)
+                f"{CPU_REMEASURE_S:.0f} s", fixed=False, versus=" vs measured CPU matmul")
 
 
 class TrainingPeak:

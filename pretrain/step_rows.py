@@ -44,3 +44,34 @@ class PendingRows:
         seconds = time.perf_counter() - self._started if self._started is not None else 0.0
         rows, self.rows, self._started = self.rows, [], None
         return rows, seconds
+
+
+class ProgressClock:
+    """Elapsed time and ETA for the "step N/M" lines (and peak memory on CUDA): the ETA is
+    the steps left at the mean step time since this job's first step (a resumed job does
+    not count the steps it did not run)."""
+
+    def __init__(self, first_step: int, stop_at: int, device: torch.device):
+        self.first_step, self.stop_at, self.device = first_step, stop_at, device
+        self.started = time.perf_counter()
+
+    def line(self, step: int) -> str:
+        elapsed = time.perf_counter() - self.started
+        done = step - self.first_step
+        eta = elapsed / done * (self.stop_at - step) if done > 0 else float("nan")
+        text = f"elapsed {_duration(elapsed)} eta {_duration(eta)}"
+        if self.device.type == "cuda":
+            text += f" mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB"
+        return text
+
+
+def _duration(seconds: float) -> str:
+    """1m05s, 2h03m, 12s: minutes and seconds up to an hour, then hours and minutes."""
+    if seconds != seconds:  # NaN: not known yet
+        return "?"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -243,9 +243,11 @@ class Tracker:
         run_tags = run_tags_from_env() if tags is None else {k: str(v)
                                                              for k, v in tags.items()}
         self.uri = cfg.tracking.uri or default_tracking_uri(run_dir)
+        self.run_name = Path(run_dir).name  # the directory, where run.name only names new ones
         started = time.monotonic()
         try:
             with bounded_http_requests():
+                _create_with_umask(self.uri)
                 self._client = mlflow_client(self.uri)
                 self._open(cfg, run_tags)
         except Exception as err:
@@ -272,7 +274,7 @@ class Tracker:
             commit = git_commit()
             tags = {"git_commit": commit, "mlflow.source.git.commit": commit,
                     "host": socket.gethostname(), **run_tags}
-            run = self._client.create_run(experiment_id, run_name=cfg.run.name, tags=tags)
+            run = self._client.create_run(experiment_id, run_name=self.run_name, tags=tags)
             self.run_id = run.info.run_id
             params = [Param(k, str(v)) for k, v in flat_params(cfg).items()]
             self._client.log_batch(self.run_id, params=params)
@@ -327,21 +329,23 @@ class Tracker:
                         batch[start: start + MAX_METRICS_PER_REQUEST])
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Log run params (values as strings) beyond the config's, e.g. the MFU peak."""
+        """Log run params (values as strings) beyond the config's, e.g. the MFU peak; a None
+        value is no param."""
         if not self.enabled:
             return
         from mlflow.entities import Param
 
-        batch = [Param(k, str(v)) for k, v in params.items()]
+        batch = [Param(k, str(v)) for k, v in params.items() if v is not None]
         self._guard("log_params", self._client.log_batch, self.run_id, (), batch)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        """Set run tags (values as strings), e.g. {"layout": "tp1-pp1-dp1"}."""
+        """Set run tags (values as strings), e.g. {"layout": "tp1-pp1-dp1"}; a None value
+        is no tag (not the string 'None')."""
         if not self.enabled:
             return
         from mlflow.entities import RunTag
 
-        batch = [RunTag(k, str(v)) for k, v in tags.items()]
+        batch = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
         self._guard("set_tags", self._client.log_batch, self.run_id, (), (), batch)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
@@ -372,6 +376,17 @@ class Tracker:
             self.finish("FINISHED")
         else:
             self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+def _create_with_umask(uri: str) -> None:
+    """Create a sqlite store's file as a plain open would (0o666 less the umask), before
+    sqlite does: it creates files 0o644 whatever the umask, which keeps a group on a shared
+    cluster from writing the run's MLflow store (its journals take the file's mode)."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri.removeprefix("sqlite:///"))
+    if path.parent.is_dir() and not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666))
 
 
 class _RunNotFound(RuntimeError):

@@ -246,7 +246,7 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     from pretrain.mfu import TrainingPeak
-    from pretrain.step_rows import PendingRows
+    from pretrain.step_rows import PendingRows, ProgressClock
     from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
@@ -264,7 +264,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
 
     agreed_on_rank0(open_tracker, main, layout.world)
     trainer.mlflow_run_id = tracker.run_id
-    tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": str(resumed_at),
+    tracker.set_tags({"layout": trainer.layout.name, "resumed_from_step": resumed_at,
                       **trainer.origin})
     if main:
         tracker.log_artifact(run_dir / "config.yaml")
@@ -274,6 +274,8 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     # Params of a fresh run; a resumed run (perhaps on other hardware) tags its own peak.
     peak_info = {"mfu_peak_flops": f"{peak.flops():.4g}", "mfu_peak_source": peak.source}
     (tracker.set_tags if resumed_at is not None else tracker.log_params)(peak_info)
+    tracker.log_params({"n_params": mc.num_params(),  # the same again on resume: allowed
+                        "n_params_non_embedding": mc.num_params(non_embedding=True)})
     flops_per_token = mc.flops_per_token()
     tokens_per_step = cfg.train.batch_size * mc.seq_len
     stop_at = cfg.train.stop_at or cfg.train.steps
@@ -303,6 +305,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     data = iter(trainer.loader)
     trainer.checkpointer.on_commit = lambda path: _committed(trainer, path, tracker)
     pending = PendingRows()
+    clock = ProgressClock(trainer.step, stop_at, layout.device)
 
     def log_rows() -> None:
         """Fetch the pending rows (one transfer), check them in order, write them."""
@@ -312,7 +315,9 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         try:
             for record in rows:
                 trainer.check_row(record)  # NonFiniteLoss: the rows before it are written
-                record.update(tokens_per_s=tokens_per_s, mfu_peak_flops=peak.flops())
+                record.update(tokens_per_s=tokens_per_s, mfu_peak_flops=peak.flops(),
+                              step_time_s=seconds / len(rows),  # the interval's mean
+                              tokens_seen=record["step"] * tokens_per_step)
                 record["mfu"] = (flops_per_token * tokens_per_s
                                  / (record["mfu_peak_flops"] * layout.world))
                 accepted.append(record)
@@ -323,7 +328,8 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
                     _print_main(layout, (
                         f"step {step}/{cfg.train.steps} loss {_fmt(record['loss'])} lr "
                         f"{record['lr']:.3e} grad_norm {_fmt(record['grad_norm'])} "
-                        f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"))
+                        f"tokens/s {record['tokens_per_s']:.0f} MFU {record['mfu']:.1%}"
+                        f"{peak.peak.versus} {clock.line(step)}"))
         finally:
             if main and accepted:
                 tracker.log_rows(accepted)  # one batched MLflow write per fetch point
@@ -385,9 +391,10 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         tracker.log_artifact(run_dir / "loss_curve.png")
     tracker.finish(finish)
     if status == 0:
+        mlflow = (f"MLflow run {tracker.run_id} in {tracker.uri}" if tracker.enabled
+                  else "no MLflow run (tracking.enabled=false)")
         _print_main(layout, f"done: step {trainer.step}; run dir {run_dir}; checkpoints "
-                    f"{trainer.ckpt_dir}; MLflow run {tracker.run_id} in "
-                    f"{cfg.tracking.uri or 'sqlite:///' + str(run_dir / 'mlflow.db')}")
+                    f"{trainer.ckpt_dir}; {mlflow}")
     return status
 
 

@@ -147,7 +147,7 @@ def test_mlflow_run_is_continued_on_resume(tmp_path, caplog):
     second.finish()
 
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.info.run_name == "resume-test"
+    assert run.info.status == "FINISHED" and run.info.run_name == run_dir.name  # not run.name
     history = client.get_metric_history(run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [
         (5, 5.0), (10, 0.0), (15, -5.0), (20, -10.0)]
@@ -296,11 +296,22 @@ def test_cli_trains_with_one_warning_when_tracking_is_not_required(tiny_data, tm
 def test_cli_run_carries_env_tags_and_prints_no_mlflow_info(tiny_data, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "group-run"
     tags = {"sweep_id": "s1", "architecture": "transformer", "N": "1234", "D": "768"}
-    done = run_cli(tiny_train(tiny_data, run_dir),
-                   env={**cli_env(), RUN_TAGS_ENV: json.dumps(tags)})
+    # A shared cluster's umask: every file and directory of the run is group-writable.
+    done = subprocess.run(tiny_train(tiny_data, run_dir, "train.log_every=1"),
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**cli_env(), RUN_TAGS_ENV: json.dumps(tags)},
+                          preexec_fn=lambda: os.umask(0o002))
     assert done.returncode == 0, done.stderr[-3000:]
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o775 if path.is_dir() else 0o664), (path, oct(mode))
+    # Progress lines: elapsed time and ETA; on a CPU the MFU says what it is measured against.
+    progress = [line for line in (done.stdout + done.stderr).splitlines()
+                if line.startswith("step 3/3 ")]
+    assert re.search(r"MFU \S+% vs measured CPU matmul elapsed \d+s eta 0s$", progress[0]), \
+        progress
     assert "Creating initial MLflow database tables" not in done.stderr
     assert " INFO " not in done.stderr and "INFO mlflow" not in done.stderr
     client = MlflowClient(default_tracking_uri(run_dir))
@@ -310,6 +321,17 @@ def test_cli_run_carries_env_tags_and_prints_no_mlflow_info(tiny_data, tmp_path)
     assert run.data.params["mfu_peak_source"].startswith("measured: fp32 matmul on cpu")
     assert float(run.data.params["mfu_peak_flops"]) > 0
     assert {"mfu", "mfu_peak_flops"} <= run.data.metrics.keys()
+    # Named after its directory; the model's size; no tag for a value it does not have.
+    assert run.info.run_name == "group-run"
+    model = load_config(run_dir / "config.yaml").model
+    assert run.data.params["n_params"] == str(model.num_params())
+    assert run.data.params["n_params_non_embedding"] == str(model.num_params(non_embedding=True))
+    assert "resumed_from_step" not in run.data.tags
+    assert "None" not in run.data.tags.values()
+    seen = client.get_metric_history(run.info.run_id, "tokens_seen")
+    assert [(m.step, m.value) for m in seen] == [(s, s * 8 * 32.0) for s in (1, 2, 3)]
+    times = client.get_metric_history(run.info.run_id, "step_time_s")
+    assert len(times) == 3 and all(0 < m.value < 60 for m in times)
 
 
 @contextlib.contextmanager
