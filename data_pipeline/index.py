@@ -193,7 +193,9 @@ def read_index(data_dir: str | Path, check_files: bool = True) -> DatasetIndex:
     data_dir = Path(data_dir).resolve()
     index_path = data_dir / INDEX_FILE
     if not data_dir.is_dir():
-        raise DataError(f"{data_dir}: not a directory (expected a prepared dataset)")
+        raise DataError(f"{data_dir}: not a directory (expected a prepared dataset): "
+                        f"`python -m data_pipeline prepare --input FILES --out {data_dir}` "
+                        "makes one")
     if not index_path.is_file():
         raise DataError(
             f"{index_path}: missing; {data_dir} is not a prepared dataset "

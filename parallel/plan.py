@@ -213,6 +213,8 @@ def config_parser(prog: str, description: str, world_size: bool = True,
                   run_dir: bool = False) -> argparse.ArgumentParser:
     """An argument parser with --config (or, if `run_dir`, --run DIR instead), --set, --json
     and (if `world_size`) --world-size."""
+    from pretrain.config import override_argument
+
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True) if run_dir else parser
@@ -220,7 +222,8 @@ def config_parser(prog: str, description: str, world_size: bool = True,
     if run_dir:
         source.add_argument("--run", metavar="DIR", help="a run directory, instead of --config")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key (repeatable)")
+                        metavar="KEY=VALUE", type=override_argument,
+                        help="override a config key (repeatable)")
     if world_size:
         parser.add_argument("--world-size", type=int, default=None,
                             help="number of ranks: sets the data-parallel size and so the "

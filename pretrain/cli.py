@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pretrain import analyze, generate_cli, lm_eval_cli
+from pretrain.config import override_argument
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 from pretrain.hf import export as hf_export
 from pretrain.hf import import_llama as hf_import
@@ -18,7 +19,8 @@ from pretrain.hf import import_llama as hf_import
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("--config", required=required, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
+                        metavar="KEY=VALUE", type=override_argument,
+                        help="override a config key, e.g. train.steps=50")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = ev.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="run directory (its latest checkpoint is evaluated)")
     where.add_argument("--checkpoint", help="a checkpoint directory")
-    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    type=override_argument)
     ck = sub.add_parser("checkpoint", help="inspect, export or convert a checkpoint")
     tools = ck.add_subparsers(dest="tool", required=True)
     inspect = tools.add_parser("inspect", help="step, layout, tensors, sizes, intactness")
@@ -148,6 +151,29 @@ _STATUS_MEANING = {
                       "error); the checkpoints written before are intact",
     EXIT_PREEMPTED: "stopped on a signal after a checkpoint; resume with train.resume=auto",
 }
+# The other commands train nothing: what their bad input (exit 2) leaves undone.
+_USAGE_MEANING = {
+    "config": "bad config",
+    "eval": "bad run, checkpoint, config or data; nothing was evaluated",
+    "checkpoint": "bad checkpoint or --out; nothing was written",
+    "generate": "bad prompt, option, model or tokenizer; nothing was generated",
+    "lm-eval": "bad task, option, model or tokenizer; nothing was evaluated",
+    "analyze": "bad run or checkpoint; nothing was drawn",
+    "export-hf": "bad run, checkpoint or --out; nothing was written",
+    "import-hf": "the Hugging Face directory cannot be imported as it is; nothing was written",
+}
+
+
+def status_meaning(command: str, status: int) -> str | None:
+    """The last line's reason for exit `status` of `command`, None for a status that
+    needs none."""
+    if command == "train":
+        return _STATUS_MEANING.get(status)
+    if status == EXIT_USAGE:
+        return _USAGE_MEANING.get(command, "bad input")
+    if status == EXIT_SAVE_FAILED:
+        return "a file could not be written (disk full, I/O error)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFileError as err:  # config.yaml, metrics.jsonl: a full disk, an I/O error
         print(f"error (rank {os.environ.get('RANK', '0')}): {err}", file=sys.stderr)
         status = EXIT_SAVE_FAILED
-    if status in _STATUS_MEANING and os.environ.get("RANK", "0") == "0":
-        print(f"exit status {status}: {_STATUS_MEANING[status]}", file=sys.stderr, flush=True)
+    meaning = status_meaning(args.command, status)
+    if meaning is not None and os.environ.get("RANK", "0") == "0":
+        print(f"exit status {status}: {meaning}", file=sys.stderr, flush=True)
     return status

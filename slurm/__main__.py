@@ -8,6 +8,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pretrain.config import override_argument
+
     parser = argparse.ArgumentParser(prog="python -m slurm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -20,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--submit", action="store_true",
                       help="write the sweep directory, create the MLflow experiment, sbatch")
     sweep.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="config override for every run")
+                       metavar="KEY=VALUE", type=override_argument,
+                       help="config override for every run")
     sweep.add_argument("--out", help="sweep directory (default: the file's out, or "
                        "runs/sweeps/<name>)")
     sweep.add_argument("--no-preflight", action="store_true",

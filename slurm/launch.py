@@ -375,11 +375,14 @@ def write_cause(cause: str, env: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m slurm launch`."""
+    from pretrain.config import override_argument
+
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="training config (YAML)")
     what.add_argument("--sweep", help="a sweep directory: train the run of SLURM_ARRAY_TASK_ID")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="config override, as for pretrain train")
+                        metavar="KEY=VALUE", type=override_argument,
+                        help="config override, as for pretrain train")
     parser.add_argument("--mode", choices=("torchrun", "srun"),
                         help="torchrun: one launcher per node (default; $DENSEFORMER_LAUNCHER)"
                              "; srun: one Slurm task per rank")

@@ -35,7 +35,8 @@ def test_a_failed_task_ends_its_log_with_the_cause_and_the_report_shows_it(tmp_p
                               timeout=240)
     lines = log.read_text().splitlines()
     assert done.returncode == 2, lines
-    cause = f"{bad}: not a directory (expected a prepared dataset)"
+    cause = (f"{bad}: not a directory (expected a prepared dataset): `python -m data_pipeline "
+             f"prepare --input FILES --out {bad}` makes one")
     assert lines[-1] == f"launcher: error: {cause}", lines
     assert f"error: {cause}" in lines  # the rank said it first
     text = "\n".join(lines)

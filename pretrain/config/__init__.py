@@ -15,7 +15,13 @@ hints), `validation` (ranges and checks across fields), `loading` (YAML, base fi
 overrides, saving).
 """
 
-from pretrain.config.loading import config_to_dict, flat_params, load_config, save_config
+from pretrain.config.loading import (
+    config_to_dict,
+    flat_params,
+    load_config,
+    override_argument,
+    save_config,
+)
 from pretrain.config.sections import (
     RUN_CONTROL_KEYS,
     SECTIONS,
@@ -35,5 +41,5 @@ __all__ = [
     "RUN_CONTROL_KEYS", "SECTIONS", "CheckpointSection", "Config", "ConfigError", "DataSection",
     "OptimSection", "ParallelSection", "RunSection", "TrackingSection", "TrainSection",
     "config_to_dict", "flat_params", "load_config", "model_config_error", "ranges_markdown",
-    "save_config", "valid_range", "validate",
+    "override_argument", "save_config", "valid_range", "validate",
 ]

@@ -96,6 +96,18 @@ def _apply(cfg: Config, key: str, value: Any) -> None:
     setattr(section, field_name(name), coerce(key, value, hints[field_name(name)]))
 
 
+def override_argument(text: str) -> str:
+    """argparse `type` of a `--set KEY=VALUE` option: the text, or a usage error that says
+    how to write it (`--set train.steps 50` would otherwise end in "unrecognized
+    arguments: 50")."""
+    import argparse
+
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE: write --set "
+                                          f"{text.strip()}=VALUE, one argument")
+    return text
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     key, eq, raw = item.partition("=")
     key = key.strip()

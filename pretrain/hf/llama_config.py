@@ -21,21 +21,22 @@ ARCHITECTURES = ("LlamaForCausalLM",)
 class ImportRefused(ConfigError):
     """A Hugging Face directory we cannot import exactly; names the file and the key."""
 
-    def __init__(self, path: Path, key: str, message: str):
-        super().__init__(f"{path}: {key}", message)
+    def __init__(self, path: Path, key: str | None, message: str):
+        """`key` None: the file itself is the problem (`path` names it, once)."""
+        super().__init__(str(path) if key is None else f"{path}: {key}", message)
 
 
 def read_config(hf_dir: Path) -> tuple[Path, dict]:
     path = Path(hf_dir) / "config.json"
     if not Path(hf_dir).is_dir():
-        raise ImportRefused(Path(hf_dir), "directory", "is not a directory")
+        raise ImportRefused(Path(hf_dir), None, "is not a directory")
     try:
         return path, json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ImportRefused(path, "config.json", "is missing: not a Hugging Face model "
+        raise ImportRefused(path, None, "is missing: not a Hugging Face model "
                             "directory") from None
     except ValueError as err:
-        raise ImportRefused(path, "config.json", f"is not JSON ({err})") from None
+        raise ImportRefused(path, None, f"is not JSON ({err})") from None
 
 
 def _rope_base(path: Path, hf: dict) -> float:
