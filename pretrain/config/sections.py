@@ -74,8 +74,9 @@ class TrainSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
     # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
-    # to check a model traces without generating code.
-    compile: Literal["none", "blocks", "model"] = "none"
+    # to check a model traces without generating code. auto (parallel/compile_choice.py):
+    # model or blocks on CUDA, none on CPU and with ZeRO-3.
+    compile: Literal["auto", "none", "blocks", "model"] = "auto"
     compile_backend: str = "inductor"
 
 

@@ -155,7 +155,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"{p.activation_checkpointing} (every {p.checkpoint_every}) is not available with "
            f"pp={p.pp}: pipeline stages checkpoint single blocks; use block with "
            "checkpoint_every=1, or none")
-    _check(t.compile == "none" or p.zero_stage < 3, "train.compile",
+    _check(t.compile in ("none", "auto") or p.zero_stage < 3, "train.compile",
            f"{t.compile} with ZeRO-3 is refused: DeepSpeed gathers each layer's parameters in "
            "module hooks that a compiled graph would not run; use none, or zero_stage <= 2")
     _check(t.compile != "model" or p.pp == 1, "train.compile",
