@@ -11,9 +11,12 @@ picks some (a comma list), in this order:
   `model.dwa_dtype` fp32 and bf16 against our Transformer; the official DWA, or the
   clean-room ReferenceDWA, inside the nanoGPT-style anchor) and dwa_alone (the DWAs against
   their byte floor at the measured copy bandwidth);
-- transformer (gpu_check_transformer.py, gpu_check_perf.py): sections transformer (ours
-  against `anchor-rope` and the learned-position anchor: tokens/s, MFU), profile (the top 15
-  kernels of one step of each) and compile (eager against every block compiled);
+- transformer (gpu_check_transformer.py, gpu_check_perf.py): sections transformer (the
+  scoreboard: ours against `anchor-rope` and the learned-position anchor, eager and
+  compiled, at micro-batches 32 x 256, 128 x 256 and 32 x 1024: tokens/s, MFU against the
+  spec and the measured matmul peak, our memory against the estimate; 11 goals), profile
+  (the top 15 kernels of one step of each) and compile (eager against every block
+  compiled);
 - memory: parallel.memory's activation estimate against torch.cuda.max_memory_allocated;
 - tests (gpu_check_tests.py): the model's equivalences on the device, a real `python -m
   pretrain train` run with stop and resume, then `pytest -m gpu` in the time left.

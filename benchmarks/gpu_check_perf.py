@@ -116,6 +116,11 @@ class Trainee:
     tokens: int
     dtype: torch.dtype
     clip: float
+    batch: torch.Tensor | None = None  # the token ids (B, S + 1) the loss reads
+
+    @property
+    def inputs_and_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch[:, :-1], self.batch[:, 1:]
 
     def step(self) -> torch.Tensor:
         """Forward, backward, clip, AdamW: one step as the trainer runs it; no host sync."""
@@ -138,7 +143,7 @@ def ours(cfg, device: torch.device, shapes: Shapes, fused: bool, seed: int = 0) 
     batch = synthetic_batch(cfg, shapes.batch, device, seed)
     return Trainee(model, adamw(model, cfg.optim, fused),
                    lambda: model.loss(batch[:, :-1], batch[:, 1:]), m.flops_per_token(),
-                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip)
+                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip, batch)
 
 
 def anchor(cfg, device: torch.device, shapes: Shapes, fused: bool, dwa: nn.Module | None = None,
@@ -154,7 +159,7 @@ def anchor(cfg, device: torch.device, shapes: Shapes, fused: bool, dwa: nn.Modul
     batch = synthetic_batch(cfg, shapes.batch, device, seed)
     return Trainee(model, adamw(model, cfg.optim, fused),
                    lambda: model(batch[:, :-1], batch[:, 1:]), m.flops_per_token(),
-                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip)
+                   shapes.batch * m.seq_len, shapes.dtype, cfg.optim.grad_clip, batch)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> dict:
@@ -230,8 +235,10 @@ def cuda_activation_bytes(model, batch: torch.Tensor, dtype: torch.dtype) -> dic
 
 
 def section_memory(device: torch.device, shapes: Shapes) -> dict:
-    """parallel.memory's activation estimate against what a micro-batch really takes, for
-    `block` and `dwa_block` checkpointing (on the CPU: the autograd probe, fp32)."""
+    """parallel.memory's activation estimate (on a GPU with autocast's weight copies and the
+    chunked loss's working set, which the measured peak holds too) against what a
+    micro-batch really takes, for `block` and `dwa_block` checkpointing (on the CPU: the
+    autograd probe, fp32)."""
     from parallel.checkpointing import apply_activation_checkpointing
     from parallel.memory import estimate
 
@@ -247,8 +254,10 @@ def section_memory(device: torch.device, shapes: Shapes) -> dict:
                 est_cfg = load(name, shapes, f"train.batch_size={shapes.memory_batch}",
                                "parallel.microbatches=1", f"train.dtype={dtype}",
                                f"parallel.activation_checkpointing={mode}")
-                estimated = estimate(est_cfg, 1, device=device.type)[0].activation_bytes
-                if device.type == "cuda":
+                est = estimate(est_cfg, 1, device=device.type)[0]
+                estimated = est.activation_bytes
+                if device.type == "cuda":  # the peak holds autocast's copies, the loss's chunk
+                    estimated += est.autocast_copies_bytes + est.loss_working_set_bytes
                     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
                     measured = cuda_activation_bytes(model, batch, torch_dtype)
                 else:
@@ -257,13 +266,12 @@ def section_memory(device: torch.device, shapes: Shapes) -> dict:
                     report = measure_activations(model, batch[:, :-1], batch[:, 1:])
                     measured = {"measured_bytes": report.total_bytes,
                                 "method": "parallel.memory_probe (saved tensors, fp32)"}
-                # autocast keeps a bf16 copy of each matmul weight for backward: not a term
-                # of the estimate, so it is listed beside it.
-                copies = 2 * sum(p.numel() for p in model.parameters() if p.ndim >= 2) \
-                    if dtype == "bf16" else 0
                 rows.append({"model": name, "mode": mode, "dtype": dtype,
                              "estimated_bytes": estimated, **measured,
-                             "autocast_weight_copies_bytes": copies,
+                             "estimate_terms": {
+                                 "activation_bytes": est.activation_bytes,
+                                 "autocast_copies_bytes": est.autocast_copies_bytes,
+                                 "loss_working_set_bytes": est.loss_working_set_bytes},
                              "measured_over_estimated": measured["measured_bytes"] / estimated})
         del model
     return {"micro_batch": shapes.memory_batch, "rows": rows}

@@ -17,9 +17,12 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - activations of the micro-batches in flight (one without PP; min(PP - s, M) on pipeline
   stage s under 1F1B), per activation-checkpointing mode (parallel/checkpointing.py):
   the stored X_j (the DWA buffers), checkpoint boundaries (unit inputs), every block's
-  internals when nothing is recomputed, the LM head (the logits' softmax is often the
-  largest single tensor), received cross-stage tensors under PP, and one unit's recompute
-  working set.
+  internals when nothing is recomputed, the LM head (the chunked loss keeps the gradients
+  it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
+  tensors under PP, and one unit's recompute working set.
+- under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
+  whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
+  set (`loss_working_set`), both in the total.
 
 A block keeps (10 + 2 r) hidden-size tensors when it is not checkpointed (r = mlp_ratio):
 its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qkv output
@@ -29,14 +32,15 @@ that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama 
 (`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
 of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
 repeats them into, and one more tensor per RMSNorm. The LM head keeps
-Y_d, the normed Y_d and the softmax (B x S x V / TP, fp32). Checked against autograd
-(parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. bf16 is modelled, not
-measured here: under autocast the residual stream, LayerNorm inputs and the softmax stay
-fp32 and the matmul operands are bf16; with DeepSpeed's bf16 everything but the softmax is.
+Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H). Checked against
+autograd (parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
+the residual stream and LayerNorm inputs stay fp32 and the matmul operands are bf16; with
+DeepSpeed's bf16 everything is.
 
 JSON (`--json`, stdout holds only the document):
     {"ranks": [{"rank": r, "tp_rank": t, "pp_rank": s, "dp_rank": q, "params_bytes": ..,
                 "grads_bytes": .., "optimizer_bytes": .., "activation_bytes": ..,
+                "autocast_copies_bytes": .., "loss_working_set_bytes": ..,
                 "total_bytes": ..}, ...]}
 
 `--run DIR` reads a run directory's config.yaml instead of --config, and a null vocabulary
@@ -105,21 +109,30 @@ class RankMemory:
     optimizer_bytes: int
     activation_bytes: int
     activations: dict[str, int] = field(default_factory=dict)  # breakdown, for the text
+    # bf16 copies of the fp32 matmul weights that autocast casts once and keeps for the step
+    autocast_copies_bytes: int = 0
+    # what the chunked loss allocates for one chunk on top of the kept activations
+    loss_working_set_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + \
-            self.activation_bytes
+            self.activation_bytes + self.autocast_copies_bytes + self.loss_working_set_bytes
 
     def as_json(self) -> dict:
         return {"rank": self.rank, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
                 "dp_rank": self.dp_rank, "params_bytes": self.params_bytes,
                 "grads_bytes": self.grads_bytes, "optimizer_bytes": self.optimizer_bytes,
-                "activation_bytes": self.activation_bytes, "total_bytes": self.total_bytes}
+                "activation_bytes": self.activation_bytes,
+                "autocast_copies_bytes": self.autocast_copies_bytes,
+                "loss_working_set_bytes": self.loss_working_set_bytes,
+                "total_bytes": self.total_bytes}
 
     def dominant(self) -> tuple[str, float]:
         terms = {"parameters": self.params_bytes, "gradients": self.grads_bytes,
-                 "optimizer state": self.optimizer_bytes, "activations": self.activation_bytes}
+                 "optimizer state": self.optimizer_bytes, "activations": self.activation_bytes,
+                 "autocast weight copies": self.autocast_copies_bytes,
+                 "loss working set": self.loss_working_set_bytes}
         name = max(terms, key=terms.get)
         return name, terms[name] / max(1, self.total_bytes)
 
@@ -177,6 +190,42 @@ def state_bytes(groups: dict[str, list[int]], zero_stage: int, dp: int,
     partition = sum(zero12_partition(sum(sizes), dp) for sizes in groups.values() if sizes)
     grads = partition if zero_stage == 2 else full
     return full * precision.param, grads * precision.param, 3 * FP32 * partition
+
+
+def autocast_weight_copies(model: DenseFormerConfig, tp: int, n_blocks: int,
+                           precision: Precision) -> int:
+    """Bytes of autocast's low-precision copies of this rank's block matmul weights (qkv,
+    proj, the MLP's): under autocast each fp32 weight is cast once per autocast region (the
+    trainer's step) and the copy is cached until it ends. The embedding is not cast, and the
+    LM head's cast is the chunked loss's, counted in its working set."""
+    if precision.param == precision.matmul:
+        return 0
+    h, ffn = model.d_model, model.ffn_width
+    qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim
+    mlp = (3 if model.block == "llama" else 2) * ffn * h
+    return n_blocks * (qkv * h + h * h + mlp) // tp * precision.matmul
+
+
+def loss_working_set(model: DenseFormerConfig, shape: "ActivationShape") -> int:
+    """Bytes the chunked loss (pretrain/model/loss.py) allocates in its forward beyond what
+    it keeps (dL/dh, dL/dW: `ActivationShape.head`), at its largest, the last chunk: the
+    chunk's fp32 logits (turned into probabilities and G in place), their matmul-dtype
+    product and G's matmul-dtype copy when that dtype is narrower, the head weight cast to
+    the matmul dtype, one chunk of dL/dW as the matmul makes it, and dL/dh's chunks before
+    they are joined and widened. Under sequence parallelism also the gathered sequence."""
+    p = shape.precision
+    tokens = shape.tokens  # of the whole sequence: under SP the loss gathers it
+    chunk = min(model.loss_chunk_tokens, tokens)
+    vocab = shape.padded_vocab // shape.tp
+    narrow = p.matmul < FP32
+    logits = chunk * vocab * (FP32 + (2 * p.matmul if narrow else 0))
+    cast = p.matmul if p.matmul != p.param else 0
+    own_chunk = narrow or chunk < tokens  # else the one dL/dW chunk is dL/dW itself
+    weight = vocab * shape.hidden * (cast + (p.matmul if own_chunk else 0))
+    parts = tokens * shape.hidden * p.matmul
+    grad_hidden = (parts if p.matmul != p.stream else 0) + (parts if chunk < tokens else 0)
+    gathered = tokens * shape.hidden * p.stream if shape.sequence_parallel else 0
+    return logits + weight + grad_hidden + gathered
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,20 +291,19 @@ class ActivationShape:
 
     @property
     def head(self) -> int:
-        """Bytes the final norm, LM head and cross entropy keep (plus the token ids)."""
+        """Bytes the final norm and the chunked LM-head loss keep (plus the token ids): Y_d
+        and the norm's statistics, and the loss's gradients computed in its forward
+        (pretrain/model/loss.py): dL/dh, a stream tensor of the whole (under sequence
+        parallelism gathered) sequence, and dL/dW, the head's (V / TP, H) shard."""
         s, p = self.tokens * self.hidden, self.precision
-        normed = (p.stream + p.matmul) * s // self.seq_split  # Y_d, normed Y_d
-        stats = 2 * FP32 * self.tokens // self.seq_split
-        shard = self.padded_vocab // self.tp
-        softmax = FP32 * self.tokens * shard
-        padding_mask = shard if self.padded_vocab > self.vocab else 0
-        # token ids (a view of the loaded (B, S + 1) batch), and the targets the loss keeps:
-        # at TP = 1 F.cross_entropy's flattened copy and its 0-d total weight, else
-        # megatron's masked targets and target mask
-        targets = 8 * self.tokens + (FP32 if self.tp == 1 else self.tokens)
-        ids = 8 * self.micro_batch * (self.seq + 1) + targets
-        return normed + stats + softmax + padding_mask + ids
-
+        normed = p.stream * s // self.seq_split  # Y_d
+        if self.llama:  # RMSNorm's composite form keeps the normalised input too
+            normed *= 2
+        stats = (1 if self.llama else 2) * FP32 * self.tokens // self.seq_split
+        grad_hidden = p.stream * s
+        grad_weight = p.param * self.padded_vocab // self.tp * self.hidden
+        ids = 8 * self.micro_batch * (self.seq + 1)  # a view of the loaded (B, S + 1) batch
+        return normed + stats + grad_hidden + grad_weight + ids
 
 def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[range]:
     """Checkpoint units (parallel.checkpointing.ActivationCheckpointing.units)."""
@@ -363,6 +411,8 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
                                                     boundary_dtype_bytes(cfg, device))
         groups = local_parameters(model, p.tp, blocks, first, last, cfg.optim.decay_alphas)
         params, grads, optimizer = state_bytes(groups, p.zero_stage, dp, precision)
+        copies = autocast_weight_copies(model, p.tp, len(blocks), precision)
+        working = loss_working_set(model, shape) if last else 0
         activation = sum(v for k, v in activations.items() if k.endswith(
             ("buffers", "head", "blocks", "boundaries", "working_set", "stages")))
         for dp_rank in range(dp):
@@ -371,7 +421,8 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
                     rank=tp_rank + p.tp * (dp_rank + dp * pp_rank), tp_rank=tp_rank,
                     pp_rank=pp_rank, dp_rank=dp_rank, params_bytes=params, grads_bytes=grads,
                     optimizer_bytes=optimizer, activation_bytes=activation,
-                    activations=activations))
+                    activations=activations, autocast_copies_bytes=copies,
+                    loss_working_set_bytes=working))
     return sorted(ranks, key=lambda r: r.rank)
 
 
@@ -402,6 +453,10 @@ def describe(cfg, ranks: list[RankMemory]) -> list[str]:
                   f"  activations     {_gib(r.activation_bytes)}"]
         lines += [f"    {k:24s} {_gib(v) if k != 'in_flight_microbatches' else v}"
                   for k, v in r.activations.items()]
+        if r.autocast_copies_bytes:
+            lines.append(f"  autocast weight copies {_gib(r.autocast_copies_bytes)}")
+        if r.loss_working_set_bytes:
+            lines.append(f"  loss working set {_gib(r.loss_working_set_bytes)}")
         lines += [f"  total           {_gib(r.total_bytes)}  (largest: {name}, {share:.0%})"]
     return lines
 

@@ -15,6 +15,9 @@
   each unit's function once more, outside the checkpoint, under the same counter (its kept
   inputs excluded): what backward holds on top of the kept tensors while it recomputes a unit.
 - `total_bytes` = saved + DWA buffers + recompute: the activation memory of the micro-batch.
+- `autocast_copy_bytes`: under autocast, the low-precision copies of parameters that autocast
+  makes (and caches until its region ends), seen as casts of a parameter by a dispatch mode;
+  a copy that autograd also saves is counted here, not in `saved_bytes`. 0 without autocast.
 
 Exact on CPU. On a GPU, `torch.cuda.max_memory_allocated` around a step measures the same
 thing plus the allocator's rounding and temporary buffers.
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass
@@ -38,6 +43,7 @@ class ActivationReport:
     stored_outputs: int
     recompute_bytes: int
     largest: list[tuple[int, tuple, str]] = field(default_factory=list, repr=False)
+    autocast_copy_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -46,7 +52,7 @@ class ActivationReport:
     def as_dict(self) -> dict:
         return {"saved_bytes": self.saved_bytes, "dwa_buffer_bytes": self.dwa_buffer_bytes,
                 "stored_outputs": self.stored_outputs, "recompute_bytes": self.recompute_bytes,
-                "total_bytes": self.total_bytes}
+                "autocast_copy_bytes": self.autocast_copy_bytes, "total_bytes": self.total_bytes}
 
 
 class SavedTensorCounter:
@@ -75,6 +81,32 @@ class SavedTensorCounter:
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+class ParameterCasts(TorchDispatchMode):
+    """Dispatch mode: the dtype casts of `parameters`. `copies()`: those still alive, by
+    storage address, with their bytes: autocast's cached weight copies (a cast made and
+    dropped inside the forward, as the chunked loss's of the head weight, is not one)."""
+
+    def __init__(self, parameters: list[torch.Tensor]):
+        super().__init__()
+        self.sources = {p.untyped_storage().data_ptr() for p in parameters}
+        self.casts: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        # Autocast casts whole parameters (never views) to a narrower dtype.
+        if func is torch.ops.aten._to_copy.default and isinstance(source, torch.Tensor) \
+                and not source._is_view() and out.itemsize < source.itemsize \
+                and source.untyped_storage().data_ptr() in self.sources:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def copies(self) -> dict[int, int]:
+        alive = [ref() for ref in self.casts]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in alive if t is not None}
 
 
 def model_storages(model: nn.Module) -> set[int]:
@@ -114,12 +146,15 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
             model.activation_checkpointing = dataclasses.replace(checkpointing,
                                                                  recorder=recorder)
             stack.callback(setattr, model, "activation_checkpointing", checkpointing)
-        with SavedTensorCounter(exclude) as counter:
+        casts = ParameterCasts(list(model.parameters()))
+        with SavedTensorCounter(exclude) as counter, casts:
             loss = (loss_fn or model.loss)(tokens, targets)
         buffers = dwa_buffers_of(loss)
         buffer_storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
                            for b in buffers for v in b.values.values()}
-        saved = {k: v for k, v in counter.storages.items() if k not in buffer_storages}
+        copies = casts.copies()
+        saved = {k: v for k, v in counter.storages.items()
+                 if k not in buffer_storages and k not in copies}
         recompute = 0
         for unit, inputs in recorder:
             kept = exclude | set(saved) | set(buffer_storages) | {
@@ -133,7 +168,8 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         saved_bytes=sum(n for n, _, _ in saved.values()),
         dwa_buffer_bytes=sum(buffer_storages.values()),
         stored_outputs=sum(v.shape[0] for b in buffers for v in b.values.values()),
-        recompute_bytes=recompute, largest=largest)
+        recompute_bytes=recompute, largest=largest,
+        autocast_copy_bytes=sum(copies.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,6 @@ from parallel.plan import build_plan
 from parallel.schedule import schedule_name, schedule_problem
 from parallel.stage_model import StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.denseformer import cross_entropy
 
 # Parameters replicated over the pipeline group carry this attribute on every rank but one,
 # so that a global gradient norm counts them once (the tied embedding on the last stage,
@@ -130,11 +129,10 @@ class PipelineRunner:
 
     def _outputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
         cfg = self.model.config
-        if stage == self.plan.n_stages - 1:
+        if stage == self.plan.n_stages - 1:  # the final norm's output and the head weight
             vocab = cfg.padded_vocab_size // self.model.tp_size
-            if self.model.sequence_parallel:
-                return (_meta((cfg.seq_len, self.micro_batch, vocab), torch.float32),)
-            return (_meta((self.micro_batch, cfg.seq_len, vocab), torch.float32),)
+            return (_meta(self._hidden_shape(self.micro_batch), torch.float32),
+                    _meta((vocab, cfg.d_model), torch.float32))
         n = len(self.plan.programs[stage].outgoing)
         return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
                      for _ in range(n))
@@ -149,10 +147,9 @@ class PipelineRunner:
 
     # -- training ------------------------------------------------------------------------
 
-    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.model.sequence_parallel:
-            targets = targets.t().contiguous()
-        loss = cross_entropy(local_logits, targets)
+    def _loss(self, head_input: tuple[torch.Tensor, torch.Tensor],
+              targets: torch.Tensor) -> torch.Tensor:
+        loss = self.model.head_loss(*head_input, targets)
         self._micro_losses.append(loss.detach())
         return loss / self.microbatches
 
@@ -226,10 +223,8 @@ class PipelineRunner:
         dist.all_reduce(result, group=self.pp_group)
         return result
 
-    def _loss_value(self, local_logits, targets) -> torch.Tensor:
-        if self.model.sequence_parallel:
-            targets = targets.t().contiguous()
-        return cross_entropy(local_logits, targets).double()
+    def _loss_value(self, head_input, targets) -> torch.Tensor:
+        return self.model.head_loss(*head_input, targets).double()
 
     # -- layout-independent state --------------------------------------------------------
 

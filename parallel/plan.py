@@ -201,6 +201,11 @@ def micro_batch_size(cfg, world_size: int | None = None) -> int:
     """Sequences per micro-batch on one rank of a run config (pretrain.config.Config); without
     a world size, data parallelism is taken as 1."""
     p = cfg.parallel
+    if p.microbatches == "auto":
+        from pretrain.config import ConfigError
+
+        raise ConfigError("parallel.microbatches", "auto is chosen at start-up from the GPU's "
+                          "free memory (parallel/microbatch_fit.py): give a number here")
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
     return cfg.train.batch_size // (dp * p.microbatches)
 

@@ -10,7 +10,9 @@ and the pipeline sums the alpha gradients over the pipeline group, so all copies
 
 `StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
 that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
-TP rank's vocabulary shard of the logits.
+head's inputs: the final norm's output and the head weight, from which the pipeline's loss
+function computes the loss in chunks of tokens (pretrain/model/loss.py). The weight is an
+output so that a DDP stage module sees it used.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class StageModel(nn.Module):
     # The single-process model's methods that read only the attributes above.
     embed = DenseFormer.embed
     head_weight = DenseFormer.head_weight
-    local_logits = DenseFormer.local_logits
+    head_loss = DenseFormer.head_loss
     dwa_matrix = DenseFormer.dwa_matrix
     load_dwa_matrix = DenseFormer.load_dwa_matrix
 
@@ -134,9 +136,11 @@ class StageModule(nn.Module):
         layout = None if torch.compiler.is_compiling() else self.dwa_layout
         out = run_program(program, model.dwa_alpha, x, sums, blocks, layout,
                           storage_dtype(model.config.dwa_dtype))
-        if program.is_last:
-            # (B, S, V / TP), or (S, B, V / TP) under sequence parallelism
-            return model.local_logits(out, seq_first=True)
+        if program.is_last:  # (B, S, H), or (S / TP, B, H) under sequence parallelism
+            # The weight as a view: the schedule detaches the last stage's outputs in place
+            # after their backward, which would take the parameter itself out of autograd.
+            weight = model.head_weight
+            return model.final_norm(out), weight.view_as(weight)
         # A tensor passed on unchanged gets its own autograd node, so that the schedule's
         # backward sees an output distinct from its input.
         return tuple(t.to(self.boundary_dtype) if t.dtype != self.boundary_dtype

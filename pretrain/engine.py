@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from parallel.compile import apply_compile
+from parallel.compile_choice import compile_mode
 from parallel.ddp import BUCKET_CAP_MB
 from parallel.layout import Layout, average_gradients, gradient_norm
 from parallel.tensor import allreduce_sequence_parallel_grads
@@ -177,10 +178,12 @@ class Engine:
     """One rank's model, optimizer and step, behind one interface (see the module doc)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, forward, update,
-                 layout: Layout, reduction: str = "none"):
+                 layout: Layout, reduction: str = "none", compiled: tuple[str, str] = ("none",
+                                                                                      "")):
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.forward, self.update_rule = forward, update
         self.reduction = reduction  # dp_reduction's answer
+        self.compiled = compiled  # (train.compile's mode, why: parallel/compile_choice.py)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -235,7 +238,10 @@ class Engine:
                          "share parameters)",
                  "zero": "data-parallel gradients: DeepSpeed ZeRO"}
         head = [lines[self.reduction]] if self.reduction in lines else []
-        return optimizer + head + self.forward.describe()
+        mode, why = self.compiled
+        compiled = [f"torch.compile: {mode} ({why})"] if mode != "none" or why != \
+            "train.compile" else []
+        return optimizer + compiled + head + self.forward.describe()
 
 
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
@@ -245,6 +251,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
 
     p = cfg.parallel
     reduction = dp_reduction(cfg, layout)
+    compiled = compile_mode(cfg, layout.device.type)
     ddp = None
     if layout.pp > 1:
         from parallel.pipeline import PipelineRunner
@@ -258,7 +265,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
             ddp_group=layout.dp_group if reduction == "ddp" else None,
             boundary_dtype=dtype if p.pipeline_dtype == "compute" else torch.float32)
         model, forward = runner.model, PipelineForward(runner)
-        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
+        apply_compile(model, compiled[0], cfg.train.compile_backend)
     else:
         from parallel.checkpointing import apply_activation_checkpointing
         from pretrain.model import DenseFormer
@@ -266,7 +273,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
                             sequence_parallel=p.sequence_parallel).to(layout.device)
         apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
-        apply_compile(model, cfg.train.compile, cfg.train.compile_backend)
+        apply_compile(model, compiled[0], cfg.train.compile_backend)
         forward = LocalForward(model)
         if reduction == "ddp":
             from parallel.ddp import DDPLoss
@@ -280,7 +287,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     else:
         update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip, ddp,
                              reduced_in_backward=reduction == "ddp")
-    return Engine(model, optimizer, forward, update, layout, reduction)
+    return Engine(model, optimizer, forward, update, layout, reduction, compiled)
 
 
 def dp_reduction(cfg, layout: Layout) -> str:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from data_pipeline.progress import progress_bar, write_line
 from parallel import groups
 from parallel.layout import Layout, setup_layout
+from parallel.microbatch_fit import resolve_microbatches
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
@@ -77,6 +78,9 @@ class Trainer:
         # config, not a mutation.
         model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)
         cfg = dataclasses.replace(cfg, model=model)
+        # parallel.microbatches: auto -> a count that fits the device (parallel/microbatch_fit)
+        cfg, microbatch_line = resolve_microbatches(cfg, layout)
+        self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
         self.cfg = cfg
         self.model_cfg = cfg.model
         self.fingerprint = fingerprint(config_to_dict(cfg)["model"],
@@ -290,7 +294,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
         + (f"\nweights from {trainer.origin['init_from']} (step "
            f"{trainer.origin['init_from_step']}); fresh optimizer, step 0"
            if trainer.origin else "")))
-    _print_main(layout, *trainer.engine.describe())
+    _print_main(layout, *trainer.run_choices, *trainer.engine.describe())
     if trainer.step >= stop_at:
         _print_main(layout, (
             f"nothing to train: the run is already at step {trainer.step} of "

@@ -36,10 +36,8 @@ def make_model(case: str):
 
 
 def functional_loss(model, tokens, targets, functional: bool):
-    from pretrain.model.denseformer import cross_entropy
-
     y = model.run_blocks(model.embed(tokens), functional=functional)
-    return cross_entropy(model.local_logits(y, seq_first=True), targets)
+    return model.head_loss(model.final_norm(y), model.head_weight, targets)
 
 
 def loss_and_grads(model, mode: str, every: int, functional: bool):

@@ -48,23 +48,29 @@ def collectives(ops: Counter) -> int:
 
 
 def test_one_rank_cross_entropy_and_embedding_equal_megatrons():
-    """At one TP rank F.cross_entropy and F.embedding give megatron's vocab-parallel values
-    and gradients (padding rows masked as the model masks them); megatron's cross entropy
-    calls all_reduce three times on the one-rank group, ours never."""
+    """At one TP rank our chunked head loss and F.embedding give megatron's vocab-parallel
+    values and gradients (padding rows masked as the model masks them); megatron's cross
+    entropy calls all_reduce three times on the one-rank group, ours never."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     from parallel import groups
     from pretrain.model import DenseFormer, DenseFormerConfig
-    from pretrain.model.denseformer import cross_entropy
+    from pretrain.model.loss import linear_cross_entropy
 
     groups.ensure_initialized()
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 48, generator=gen)
-    logits[..., 40:] = torch.finfo(torch.float32).min  # the padded vocabulary's rows
+    hidden, weight = torch.randn(3, 5, 16, generator=gen), torch.randn(48, 16, generator=gen)
     targets = torch.randint(0, 40, (3, 5), generator=gen)
-    ours_in, theirs_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    ours, ops = profiled(lambda: cross_entropy(ours_in, targets))
-    theirs, their_ops = profiled(lambda: vocab_parallel_cross_entropy(theirs_in, targets).mean())
+    ours_in, theirs_in = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ours, ops = profiled(lambda: linear_cross_entropy(
+        ours_in, weight, targets, vocab_size=40, tp_group=groups.tp_group(), chunk_tokens=4))
+
+    def megatron_loss():
+        logits = theirs_in @ weight.t()
+        logits = logits.masked_fill(torch.arange(48) >= 40, torch.finfo(torch.float32).min)
+        return vocab_parallel_cross_entropy(logits, targets).mean()
+
+    theirs, their_ops = profiled(megatron_loss)
     torch.testing.assert_close(ours, theirs)
     ours.backward()
     theirs.backward()

@@ -60,6 +60,11 @@ def estimated(cfg, world_size: int = 1, rank: int = 0):
 
 def measured_activations(cfg) -> int:
     """Probe total of one micro-batch on this rank (the model built from `cfg`)."""
+    return measured_report(cfg).total_bytes
+
+
+def measured_report(cfg):
+    """The probe's ActivationReport of one micro-batch (the model built from `cfg`)."""
     from parallel.checkpointing import apply_activation_checkpointing
     from parallel.memory_probe import measure_activations
     from pretrain.model import DenseFormer
@@ -71,7 +76,7 @@ def measured_activations(cfg) -> int:
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1),
                           generator=gen)
-    return measure_activations(model, batch[:, :-1], batch[:, 1:]).total_bytes
+    return measure_activations(model, batch[:, :-1], batch[:, 1:])
 
 
 def assert_within(measured: int, estimate: int, mode: str, what) -> None:
@@ -100,6 +105,30 @@ def test_bf16_dwa_storage_halves_the_buffers_in_estimate_and_probe(mode, every):
                   ("bf16 storage", mode, every))
     wide_terms = estimated(config(*overrides)).activations
     assert estimated(narrow).activations["dwa_buffers"] * 2 == wide_terms["dwa_buffers"]
+
+
+@pytest.mark.parametrize("name", ["transformer", "dense-2x3", "llama-1x1"])
+def test_bf16_autocast_estimate_matches_the_probe(name):
+    """Under bf16 autocast (on CPU) autocast's cached weight copies are exactly the
+    estimate's, and the kept activations within 5% (CPU autocast casts a little more than
+    a GPU's: one bf16 tensor a block)."""
+    cfg = config(*model_overrides(name), "train.dtype=bf16")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = measured_report(cfg)
+    estimate = estimated(cfg)
+    assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
+    assert_within(report.total_bytes, estimate.activation_bytes, "block", name)
+    assert estimated(config(*model_overrides(name))).autocast_copies_bytes == 0  # fp32
+
+
+def test_loss_working_set_is_one_chunk_of_logits_not_the_whole():
+    """The chunked loss's working set grows with model.loss_chunk_tokens up to the
+    micro-batch's 64 tokens, and not past them; the kept head term does not depend on it."""
+    sizes = {chunk: estimated(config(f"model.loss_chunk_tokens={chunk}"))
+             for chunk in (8, 32, 64, 4096)}
+    working = {chunk: r.loss_working_set_bytes for chunk, r in sizes.items()}
+    assert working[8] < working[32] and working[64] == working[4096]
+    assert len({r.activations["lm_head"] for r in sizes.values()}) == 1
 
 
 def test_checkpointing_modes_order_as_designed():
@@ -252,13 +281,16 @@ def test_cli_json_per_rank_and_text_names_the_largest_term():
     assert time.monotonic() - start < 30  # pure arithmetic (plus Python start-up)
     ranks = json.loads(done.stdout)["ranks"]  # stdout holds only the document
     keys = {"rank", "tp_rank", "pp_rank", "dp_rank", "params_bytes", "grads_bytes",
-            "optimizer_bytes", "activation_bytes", "total_bytes"}
+            "optimizer_bytes", "activation_bytes", "autocast_copies_bytes",
+            "loss_working_set_bytes", "total_bytes"}
     assert [r["rank"] for r in ranks] == list(range(16))
     for r in ranks:
         assert set(r) == keys
         assert r["rank"] == r["tp_rank"] + 2 * r["dp_rank"] and r["pp_rank"] == 0
-        assert r["total_bytes"] == sum(r[k] for k in ("params_bytes", "grads_bytes",
-                                                      "optimizer_bytes", "activation_bytes"))
+        assert r["total_bytes"] == sum(r[k] for k in keys - {"rank", "tp_rank", "pp_rank",
+                                                             "dp_rank", "total_bytes"})
+        assert r["autocast_copies_bytes"] == 0  # ZeRO's bf16 module: no fp32 weights to cast
+        assert r["loss_working_set_bytes"] > 0
     text = run_memory("--config", "configs/paper/dense-48-1x1.yaml",
                       "--set", "parallel.microbatches=50")
     assert text.returncode == 0, text.stderr

@@ -230,7 +230,6 @@ def relative_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
 def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpointing):
     from parallel.plan import build_plan
     from parallel.stage_model import StageModel, StageModule
-    from pretrain.model.denseformer import cross_entropy
     from pretrain.model.state import load_full_model_state
 
     state, tokens, ref_loss, ref_grads = reference(model_name, 4, 1)
@@ -250,7 +249,7 @@ def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpo
         for stage, count in zip(stages[1:], plan.counts, strict=True):
             assert len(out) == count[mode]
             out = stage(*out)
-        loss = cross_entropy(out, tokens[:, 1:])
+        loss = model.head_loss(*out, tokens[:, 1:])
         loss.backward()
         assert abs(loss.item() - ref_loss) < 1e-5
         for name, param in model.named_parameters():

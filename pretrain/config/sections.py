@@ -74,8 +74,9 @@ class TrainSection:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
     # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
-    # to check a model traces without generating code.
-    compile: Literal["none", "blocks", "model"] = "none"
+    # to check a model traces without generating code. auto (parallel/compile_choice.py):
+    # model or blocks on CUDA, none on CPU and with ZeRO-3.
+    compile: Literal["auto", "none", "blocks", "model"] = "auto"
     compile_backend: str = "inductor"
 
 
@@ -83,9 +84,11 @@ class TrainSection:
 class ParallelSection:
     tp: int = ranged(1, ge=1, also="divides model.n_heads and the padded vocabulary")
     pp: int = ranged(1, ge=1, also="<= model.n_layers")
-    # Per data-parallel rank per step (= gradient accumulation).
-    microbatches: int = ranged(1, ge=1, also="divides train.batch_size; with virtual_stages "
-                                             "> 1, a multiple of pp or < 2 x pp")
+    # Per data-parallel rank per step (= gradient accumulation). auto: the fewest whose
+    # size fits the GPU, from its free memory and the estimator (parallel/microbatch_fit.py).
+    microbatches: int | Literal["auto"] = ranged(
+        1, ge=1, also="divides train.batch_size; with virtual_stages > 1, a multiple of pp "
+                      "or < 2 x pp")
     zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
     # Without ZeRO, how gradients are averaged over data parallelism: torch DDP, in buckets
     # during the backward (interleaved pipelines fall back to flat), or one flat all-reduce

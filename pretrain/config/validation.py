@@ -44,8 +44,9 @@ def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
                f"every stage needs >= 1 block, got {p.pp_split}")
         _check(sum(p.pp_split) == n_layers, "parallel.pp_split",
                f"{p.pp_split} sums to {sum(p.pp_split)}, not model.n_layers={n_layers}")
-    problem = schedule_problem(p.pp, p.virtual_stages, p.microbatches)
-    _check(problem is None, "parallel.microbatches", f"{p.microbatches}: {problem}")
+    if p.microbatches != "auto":  # auto picks a count that suits the schedule
+        problem = schedule_problem(p.pp, p.virtual_stages, p.microbatches)
+        _check(problem is None, "parallel.microbatches", f"{p.microbatches}: {problem}")
 
 
 def _numeric_fields(section: type) -> list[tuple[dataclasses.Field, Any]]:
@@ -69,8 +70,8 @@ def _check_ranges(cfg: Config) -> None:
         section = getattr(cfg, section_name)
         for f, hint in _numeric_fields(section_type):
             value = getattr(section, f.name)
-            if value is None:
-                continue  # _coerce has checked that the type allows null
+            if value is None or isinstance(value, str):
+                continue  # _coerce has checked that the type allows null (or "auto")
             problem = valid_range(section_name, f).problem(value, numeric_kind(hint)[1])
             _check(problem is None, f"{section_name}.{f.name}", problem)
 
@@ -82,8 +83,11 @@ def ranges_markdown() -> str:
         for f, hint in _numeric_fields(section_type):
             kind, nullable = numeric_kind(hint)
             valid = valid_range(section_name, f)
+            words = [repr(a) for arg in typing.get_args(hint)
+                     if typing.get_origin(arg) is typing.Literal for a in typing.get_args(arg)]
             rows.append(f"| `{section_name}.{f.name}` | {kind.__name__}"
-                        f"{' or null' if nullable else ''} | {_default_text(f)} | "
+                        f"{' or null' if nullable else ''}"
+                        f"{''.join(' or ' + w for w in words)} | {_default_text(f)} | "
                         f"{'null or ' if nullable else ''}{valid}"
                         f"{'; ' + valid.also if valid.also else ''} |")
     return "\n".join(rows) + "\n"
@@ -117,7 +121,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"must be in [0, optim.lr={o.lr}], got {o.min_lr}")
     _check(o.warmup_steps is None or o.warmup_steps < t.steps, "optim.warmup_steps",
            f"must be null or in [0, train.steps={t.steps}), got {o.warmup_steps}")
-    _check(t.batch_size % p.microbatches == 0, "train.batch_size",
+    microbatches = 1 if p.microbatches == "auto" else p.microbatches  # auto: a divisor
+    _check(p.microbatches != "auto" or t.device != "cpu", "parallel.microbatches",
+           "auto needs a CUDA device to read its free memory, but train.device=cpu: give a "
+           "number")
+    _check(t.batch_size % microbatches == 0, "train.batch_size",
            f"{t.batch_size} sequences do not split into {p.microbatches} micro-batches")
     _check(m.n_heads % p.tp == 0, "parallel.tp",
            f"tp={p.tp} does not divide model.n_heads={m.n_heads} (attention heads split)")
@@ -147,7 +155,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"{p.activation_checkpointing} (every {p.checkpoint_every}) is not available with "
            f"pp={p.pp}: pipeline stages checkpoint single blocks; use block with "
            "checkpoint_every=1, or none")
-    _check(t.compile == "none" or p.zero_stage < 3, "train.compile",
+    _check(t.compile in ("none", "auto") or p.zero_stage < 3, "train.compile",
            f"{t.compile} with ZeRO-3 is refused: DeepSpeed gathers each layer's parameters in "
            "module hooks that a compiled graph would not run; use none, or zero_stage <= 2")
     _check(t.compile != "model" or p.pp == 1, "train.compile",
@@ -163,7 +171,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(world_size % (p.tp * p.pp) == 0, "parallel.tp",
                f"tp*pp = {p.tp}*{p.pp} = {p.tp * p.pp} does not divide world size {world_size}")
         dp = world_size // (p.tp * p.pp)
-        per_step = dp * p.microbatches
+        per_step = dp * microbatches
         _check(t.batch_size % per_step == 0, "train.batch_size",
                f"{t.batch_size} sequences do not split into dp={dp} ranks x "
                f"{p.microbatches} micro-batches; use a multiple of {per_step}")

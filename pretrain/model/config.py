@@ -75,7 +75,8 @@ def numeric_kind(hint: Any) -> tuple[type | None, bool]:
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) \
         else (hint,)
     nullable = type(None) in args
-    kinds = [a for a in args if a is not type(None)]
+    # a Literal alternative ("auto") is checked as such, not as a number
+    kinds = [a for a in args if a is not type(None) and typing.get_origin(a) is not Literal]
     if len(kinds) == 1 and kinds[0] in (int, float):
         return kinds[0], nullable
     return None, nullable
@@ -134,6 +135,9 @@ class DenseFormerConfig:
     # llama 8/3 x d_model rounded up to a multiple of ffn_multiple_of.
     ffn_hidden_size: int | None = ranged(None, ge=1)
     ffn_multiple_of: int = ranged(256, ge=1)
+    # Tokens per chunk of the training loss (pretrain/model/loss.py): the logits exist one
+    # chunk at a time, (chunk x V / TP) floats, never for the whole micro-batch.
+    loss_chunk_tokens: int = ranged(4096, ge=1)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -4,6 +4,9 @@
     logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
                                                  `lm_head` when model.tie_embeddings is off)
 
+The training loss never forms the logits of a whole micro-batch: `loss` hands the final
+norm's output and the head weight to pretrain/model/loss.py, which works in chunks of tokens.
+
 See dwa_pattern.py for the index conventions and the DWA pattern, dwa.py for the contraction.
 """
 
@@ -16,7 +19,6 @@ from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
 )
 from megatron.core.tensor_parallel.layers import (
     linear_with_grad_accumulation_and_async_allreduce,
@@ -38,6 +40,7 @@ from pretrain.model.dwa_pattern import DWAPattern
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import column_linear, vocab_embedding
+from pretrain.model.loss import linear_cross_entropy
 from pretrain.model.rotary import RotaryEmbedding
 
 
@@ -145,16 +148,14 @@ class DenseFormer(nn.Module):
         """The LM head's (V / TP, H) shard: the embedding's, or the untied `lm_head`'s."""
         return self.embedding.weight if self.lm_head is None else self.lm_head.weight
 
-    def local_logits(self, y: torch.Tensor, seq_first: bool = False) -> torch.Tensor:
-        """This TP rank's vocabulary shard of the logits (B, S, V / TP), padding masked;
-        (S, B, V / TP) under sequence parallelism if `seq_first` (saves a transpose copy)."""
+    def local_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """This TP rank's vocabulary shard of the logits (B, S, V / TP), padding masked."""
         h = self.final_norm(y)
         if self.sequence_parallel:  # all-gather the sequence (reduce-scatter in backward)
             logits = linear_with_grad_accumulation_and_async_allreduce(
                 h, self.head_weight, None, gradient_accumulation_fusion=False,
                 allreduce_dgrad=False, sequence_parallel=True, tp_group=self.tp_group)
-            if not seq_first:
-                logits = logits.transpose(0, 1)
+            logits = logits.transpose(0, 1)
         else:
             if self.tp_size > 1:  # at one rank an identity autograd Function
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
@@ -176,11 +177,18 @@ class DenseFormer(nn.Module):
         return self.head(self.run_blocks(self.embed(tokens)))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy over all positions (vocab-parallel)."""
-        logits = self.local_logits(self.run_blocks(self.embed(tokens)), seq_first=True)
-        if self.sequence_parallel:
-            targets = targets.t().contiguous()
-        return cross_entropy(logits, targets)
+        """Mean next-token cross entropy over all positions (vocab-parallel, chunked)."""
+        h = self.final_norm(self.run_blocks(self.embed(tokens)))
+        return self.head_loss(h, self.head_weight, targets)
+
+    def head_loss(self, h: torch.Tensor, head_weight: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the LM head on the final norm's output `h` (B, S, H), or
+        (S / TP, B, H) under sequence parallelism; the logits exist a chunk at a time."""
+        return linear_cross_entropy(
+            h, head_weight, targets, vocab_size=self.config.vocab_size, tp_group=self.tp_group,
+            sequence_parallel=self.sequence_parallel,
+            chunk_tokens=self.config.loss_chunk_tokens)
 
     # -- inference with a KV cache (pretrain/generation.py drives it) ----------------------
 
@@ -284,13 +292,3 @@ def dwa_alpha_parameter(pattern: DWAPattern) -> nn.Parameter | None:
         return None
     return nn.Parameter(torch.tensor(pattern.initial_alpha(), device="cpu"))
 
-
-def cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy from vocab-sharded logits (..., V / TP) and targets (...), in fp32.
-
-    At one TP rank the logits are the whole vocabulary: F.cross_entropy, where megatron's
-    vocab-parallel one would all-reduce three times over the one-rank group."""
-    if groups.tp_size() == 1:
-        return F.cross_entropy(local_logits.flatten(0, -2).float(), targets.flatten())
-    per_token = vocab_parallel_cross_entropy(local_logits.float(), targets)
-    return per_token.mean()

@@ -1,0 +1,38 @@
+"""`train.compile: auto`: which torch.compile mode (parallel/compile.py) a run gets.
+
+On an H200 (2026-12-04) compiling every block took our Transformer from 24% to 33% MFU at
+micro-batch 64; compiling the whole loss also fuses the embedding, the final norm and the
+head with the blocks. So on CUDA:
+
+- the whole model (`model`) for a Transformer without pipeline stages;
+- every block (`blocks`) with pipeline stages, whose schedule runs each stage itself;
+- every block for a DenseFormer: its eager buffered DWA (pretrain/model/dwa.py) stays out
+  of the graph, where the whole-model mode would swap in the functional DWA, whose stacked
+  copies of every X_j cost memory and time; this is the mode to measure again when the
+  DWA kernels change.
+
+On a CPU: none (compilation takes longer than the short runs made there save). With ZeRO-3:
+none, as any compiled mode is refused there (DeepSpeed gathers parameters in module hooks).
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+
+
+def compile_mode(cfg, device_type: str) -> tuple[str, str]:
+    """(mode, why) for run config `cfg` on `device_type` ("cuda" or "cpu"): train.compile
+    itself unless it is auto."""
+    setting = cfg.train.compile
+    if setting != AUTO:
+        return setting, "train.compile"
+    p, m = cfg.parallel, cfg.model
+    if device_type != "cuda":
+        return "none", f"train.compile=auto on {device_type}"
+    if p.zero_stage >= 3:
+        return "none", "train.compile=auto with ZeRO-3, which refuses compiled modules"
+    if p.pp > 1:
+        return "blocks", "train.compile=auto with pipeline stages"
+    if m.dwa:
+        return "blocks", "train.compile=auto for a DenseFormer (its buffered DWAs stay eager)"
+    return "model", "train.compile=auto for a Transformer without pipeline stages"
