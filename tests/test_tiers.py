@@ -1,0 +1,48 @@
+"""tests/tiers.py: the fast tier holds the unit tests, and a fast test that starts a process
+fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import tests.test_hf_import as hf_import
+import tests.test_model as model_tests
+import tests.test_train as train_tests
+import tests.tiers as tiers
+
+
+def test_spawning_is_found_through_helpers_local_imports_and_fixtures():
+    # The multi-rank helper, a module-level helper that runs torchrun, a helper imported
+    # inside the test function: each is reached from the test's code.
+    assert tiers._follow(train_tests.test_two_data_parallel_ranks_match_one, set())
+    assert "run" in tiers._follow(hf_import.test_continued_pretraining_of_an_imported_llama,
+                                  set())
+    assert tiers._follow(model_tests.test_dwa_matches_naive_formula, set()) is None
+
+
+class _FastItem:
+    nodeid = "tests/test_x.py::test_unit"
+
+    @staticmethod
+    def get_closest_marker(name):
+        return pytest.mark.fast if name == "fast" else None
+
+
+def test_a_fast_test_that_starts_a_process_fails_even_if_it_catches_the_error():
+    phase = tiers._guarded(_FastItem())
+    next(phase)  # the guard is up, as while a fast test runs
+    with pytest.raises(tiers.SpawnInFastTier, match=r"Popen\.__init__ from tests/test_tiers"):
+        subprocess.run([sys.executable, "-c", "pass"])
+    try:
+        import multiprocessing
+
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    except tiers.SpawnInFastTier:
+        pass  # swallowed: the phase still fails below
+    with pytest.raises(tiers.SpawnInFastTier, match="test_unit is marked fast but started"):
+        phase.send(None)
+    # The guard is down again: the real Popen runs.
+    assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0
