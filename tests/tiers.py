@@ -17,12 +17,12 @@ The guard makes a mistake loud: while a `fast` test sets up or runs, starting a 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import multiprocessing.process
 import os
 import platform
 import subprocess
-import sys
 import traceback
 import types
 from pathlib import Path
@@ -83,8 +83,8 @@ def _uses_spawning(code: types.CodeType, namespace: dict, seen: set) -> str | No
     seen.add(code)
     # A function-level `from tests.x import helper` puts both names in co_names: look the
     # helper up in the modules imported that way too.
-    namespaces = [namespace] + [vars(sys.modules[name]) for name in code.co_names
-                                if name.startswith("tests.") and name in sys.modules]
+    namespaces = [namespace] + [vars(importlib.import_module(name)) for name in code.co_names
+                                if name.startswith("tests.") and _is_module(name)]
     for name in code.co_names:
         if name in SPAWNING_NAMES:
             return name
@@ -98,6 +98,11 @@ def _uses_spawning(code: types.CodeType, namespace: dict, seen: set) -> str | No
             if found:
                 return found
     return None
+
+
+def _is_module(name: str) -> bool:
+    """Whether `name` (from a code object's names) is a module under tests/."""
+    return (TESTS_DIR / (name.removeprefix("tests.").replace(".", "/") + ".py")).is_file()
 
 
 def _follow(value, seen: set) -> str | None:
