@@ -3,8 +3,10 @@ fails."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ import tests.test_hf_import as hf_import
 import tests.test_model as model_tests
 import tests.test_train as train_tests
 import tests.tiers as tiers
+from tests.conftest import ROOT
 
 
 def test_spawning_is_found_through_helpers_local_imports_and_fixtures():
@@ -24,7 +27,7 @@ def test_spawning_is_found_through_helpers_local_imports_and_fixtures():
 
 
 class _FastItem:
-    nodeid = "tests/test_x.py::test_unit"
+    nodeid = "test_unit_in_the_fast_tier"
 
     @staticmethod
     def get_closest_marker(name):
@@ -34,7 +37,8 @@ class _FastItem:
 def test_a_fast_test_that_starts_a_process_fails_even_if_it_catches_the_error():
     phase = tiers._guarded(_FastItem())
     next(phase)  # the guard is up, as while a fast test runs
-    with pytest.raises(tiers.SpawnInFastTier, match=r"Popen\.__init__ from tests/test_tiers"):
+    with pytest.raises(tiers.SpawnInFastTier,
+                       match=re.escape(f"Popen.__init__ from {Path(__file__).relative_to(ROOT)}")):
         subprocess.run([sys.executable, "-c", "pass"])
     try:
         import multiprocessing
@@ -42,7 +46,7 @@ def test_a_fast_test_that_starts_a_process_fails_even_if_it_catches_the_error():
         multiprocessing.get_context("spawn").Process(target=print).start()
     except tiers.SpawnInFastTier:
         pass  # swallowed: the phase still fails below
-    with pytest.raises(tiers.SpawnInFastTier, match="test_unit is marked fast but started"):
+    with pytest.raises(tiers.SpawnInFastTier, match="fast_tier is marked fast but started"):
         phase.send(None)
     # The guard is down again: the real Popen runs.
     assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0
