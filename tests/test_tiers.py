@@ -50,3 +50,11 @@ def test_a_fast_test_that_starts_a_process_fails_even_if_it_catches_the_error():
         phase.send(None)
     # The guard is down again: the real Popen runs.
     assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0
+
+
+@pytest.mark.parametrize("named", [*tiers.SPAWNS_INSIDE_THE_PACKAGE, *tiers.TOO_SLOW_FOR_FAST])
+def test_every_test_named_in_the_lists_exists(named):
+    """A renamed test would otherwise leave its entry matching nothing, and the test fast."""
+    module, _, name = named.partition("::")
+    source = (tiers.TESTS_DIR / module).read_text()
+    assert not name or re.search(rf"^def {re.escape(name)}\(", source, re.MULTILINE), named
