@@ -19,11 +19,10 @@ into format 2.
 A checkpoint is written into `ckpt_root/.tmp-step-XXXXXXXX-<random>/`, every file fsynced,
 the manifest written last, then the directory is renamed to its final name: a reader sees
 either no checkpoint or a complete one. A directory without a readable manifest, or whose
-files disagree with it, is not a checkpoint. For sharded state, each rank may write its own
-tensors into one shared temporary directory (`new_tmp_dir`), and one rank writes the meta
-(`write_meta`) and
-commits it after a barrier (`finalize_checkpoint`); files in subdirectories (e.g. written
-by DCP) are covered by the manifest too; each rank hashes the files it wrote.
+files disagree with it, is not a checkpoint. Every rank writes its tensors into one shared
+temporary directory (`new_tmp_dir`); after a barrier one rank writes the meta (`write_meta`)
+and commits it (`finalize_checkpoint`); the manifest covers the files of subdirectories
+(DCP's) too, each rank hashing the files it wrote.
 """
 
 from __future__ import annotations
