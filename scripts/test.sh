@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quickstart (2): set up and run the test suite (extra arguments go to pytest; the default
 # leaves out tests marked slow: add `-m slow` for those, `-m ""` for everything).
-#   --fast      the unit tests only (marker `fast`: no subprocess, no spawned rank), about a
-#               minute; no DeepSpeed op build (docs/testing.md)
+#   --fast      the unit tests only (marker `fast`: no subprocess, no spawned rank), 1-3
+#               minutes on 2 cores; no DeepSpeed op build (docs/testing.md)
 #   VENV=path   run with that virtual environment as it is, instead of setting up .venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
