@@ -10,9 +10,9 @@ spawning module. Library code is not followed, so a test whose spawn happens ins
 package is named in `SPAWNS_INSIDE_THE_PACKAGE`; single-process tests too long for the tier
 are named in `TOO_SLOW_FOR_FAST`.
 
-The guard makes a mistake loud: while a `fast` test sets up or runs, starting a process
-(`subprocess.Popen`, `multiprocessing` processes, `os.system`, `os.posix_spawn`) raises
-`SpawnInFastTier`, and the test fails even if it caught that error.
+The guard makes a mistake loud: while a `fast` test sets up or runs, starting a process from
+its thread (`subprocess.Popen`, `multiprocessing` processes, `os.system`, `os.posix_spawn`)
+raises `SpawnInFastTier`, and the test fails even if it caught that error.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import multiprocessing.process
 import os
 import platform
 import subprocess
+import threading
 import traceback
 import types
 from pathlib import Path
@@ -191,9 +192,12 @@ def _project_caller(stack: list[traceback.FrameSummary]) -> str:
 
 
 def _refuse(what: str, original, attempts: list):
+    test_thread = threading.get_ident()
+
     def refuse(*args, **kwargs):
         stack = traceback.extract_stack()[:-1]
-        if _harmless(stack):
+        # Another thread (one an earlier test left running) is not this test's doing.
+        if threading.get_ident() != test_thread or _harmless(stack):
             return original(*args, **kwargs)
         attempts.append(f"{what} from {_project_caller(stack)}")
         raise SpawnInFastTier(
