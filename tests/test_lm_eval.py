@@ -258,33 +258,6 @@ def test_simple_evaluate_scores_the_rolling_task_with_our_loglikelihoods(lm, tmp
     assert results["results"]["tiny_mc"]["acc_norm,none"] == pytest.approx(by_hand["acc_norm"])
 
 
-@pytest.mark.timeout(120)
-def test_captured_results_receives_what_lm_evals_command_line_computed(tmp_path,
-                                                                        monkeypatch):
-    """lm_eval_compat's patch relies on the command line fetching simple_evaluate at each
-    run: lm-eval's own command line, in this process, with its `dummy` model (random
-    scores): the results dict captured is the one it wrote to --output_path."""
-    import lm_eval
-    import lm_eval.__main__ as lm_eval_main
-    import lm_eval.models.dummy  # noqa: F401  (registers `dummy`)
-
-    from pretrain.lm_eval_compat import captured_results
-
-    for name, value in offline_env(tmp_path).items():
-        if name.startswith("HF_"):
-            monkeypatch.setenv(name, value)
-    write_tasks(tmp_path / "tasks", tmp_path / "data")
-    monkeypatch.setattr(sys, "argv", [
-        "lm-eval", "run", "--model", "dummy", "--tasks", "tiny_mc", "--include_path",
-        str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")])
-    with captured_results() as captured:
-        lm_eval_main.cli_evaluate()
-    (written,) = (tmp_path / "out").rglob("results_*.json")
-    assert len(captured) == 1
-    assert captured[0]["results"] == json.loads(written.read_text())["results"]
-    assert lm_eval.simple_evaluate.__name__ == "simple_evaluate"  # put back
-
-
 def test_lm_eval_argv_names_our_model():
     from pretrain.lm_eval_cli import lm_eval_argv, numeric_scores
 
