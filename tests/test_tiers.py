@@ -10,19 +10,34 @@ from pathlib import Path
 
 import pytest
 
-import tests.test_hf_import as hf_import
 import tests.test_model as model_tests
 import tests.test_train as train_tests
 import tests.tiers as tiers
 from tests.conftest import ROOT
 
 
-def test_spawning_is_found_through_helpers_local_imports_and_fixtures():
-    # The multi-rank helper, a module-level helper that runs torchrun, a helper imported
-    # inside the test function: each is reached from the test's code.
+def _trains_through_a_helper_imported_here(tmp_path):
+    from tests.test_train import run, train_cmd
+
+    return run(train_cmd(tmp_path, tmp_path))
+
+
+class _Steps:
+    @staticmethod
+    def launch():
+        return train_tests.run(["true"])
+
+
+def _uses_a_class_that_launches():
+    return _Steps.launch()
+
+
+def test_spawning_is_found_through_helpers_local_imports_and_classes():
+    # A test helper that runs torchrun, one imported inside the function, a class's method:
+    # each is reached from the code; a pure unit test reaches none.
     assert tiers._follow(train_tests.test_two_data_parallel_ranks_match_one, set())
-    assert "run" in tiers._follow(hf_import.test_continued_pretraining_of_an_imported_llama,
-                                  set())
+    assert tiers._follow(_trains_through_a_helper_imported_here, set()).startswith("run")
+    assert tiers._follow(_uses_a_class_that_launches, set())
     assert tiers._follow(model_tests.test_dwa_matches_naive_formula, set()) is None
 
 

@@ -82,10 +82,13 @@ def _uses_spawning(code: types.CodeType, namespace: dict, seen: set) -> str | No
     if code in seen:
         return None
     seen.add(code)
-    # A function-level `from tests.x import helper` puts both names in co_names: look the
-    # helper up in the modules imported that way too.
+    # A function-level `from tests.x import helper` puts both names in co_names, and so does
+    # `x.helper` with x a test module: look the helper up in those modules too.
     namespaces = [namespace] + [vars(importlib.import_module(name)) for name in code.co_names
                                 if name.startswith("tests.") and _is_module(name)]
+    namespaces += [vars(value) for value in map(namespace.get, code.co_names)
+                   if isinstance(value, types.ModuleType)
+                   and _in_tests(getattr(value, "__file__", None) or "/")]
     for name in code.co_names:
         if name in SPAWNING_NAMES:
             return name
