@@ -169,7 +169,8 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return best
 
 
-def interleaved(runs: dict, rounds: int, between=None) -> dict[str, list[float]]:
+def interleaved(runs: dict, rounds: int, between=None,
+                clock=time.perf_counter) -> dict[str, list[float]]:
     """Seconds of each run per round (after one warm-up each), order reversed every other
     round; `between()` runs at the start of each round."""
     for fn in runs.values():
@@ -179,10 +180,16 @@ def interleaved(runs: dict, rounds: int, between=None) -> dict[str, list[float]]
         if between is not None:
             between()
         for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            start = time.perf_counter()
+            start = clock()
             runs[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
+
+
+def median_ratio(series: list[float], base: list[float]) -> float:
+    """The median of the per-round ratios series[r] / base[r]: a slowdown of the machine
+    between rounds hits both alike and cancels, one disturbed round does not move it."""
+    return statistics.median(t / b for t, b in zip(series, base, strict=True))
 
 
 def main(argv=None) -> None:
@@ -202,18 +209,15 @@ def main(argv=None) -> None:
                "matmul_peak_gflops": {"median": peak / 1e9, "best": max(peaks) / 1e9},
                "copy_gbytes_per_s": bandwidth / 1e9, "variants": {}, "dwa_alone": {}}
 
-    def ratio(series, base):  # the median of the per-round ratios
-        return statistics.median(t / b for t, b in zip(series, times[base], strict=True))
-
     for name, series in times.items():
         med = statistics.median(series)
         results["variants"][name] = {
             "median_step_s": med, "best_step_s": min(series), "tokens_per_s": tokens / med,
-            "ratio_vs_transformer": ratio(series, "transformer"),
+            "ratio_vs_transformer": median_ratio(series, times["transformer"]),
             "mfu": steps[name][0] * tokens / med / peak}
         if name.startswith("llama-"):
-            results["variants"][name]["ratio_vs_llama_transformer"] = ratio(
-                series, "llama-transformer")
+            results["variants"][name]["ratio_vs_llama_transformer"] = median_ratio(
+                series, times["llama-transformer"])
     if not args.no_dwa_alone:
         alone = interleaved(dwa_alone_runs(args), args.rounds)
         none = statistics.median(alone.pop("no DWA"))

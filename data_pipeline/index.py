@@ -5,9 +5,9 @@ present with the recorded size and the size its sample count implies) so a train
 at start-up, naming the file, rather than mid-run; it only stats the shards. `inspect` goes
 further: it checks each shard's sha256 and reads every sample.
 
-Versions: 2 records a sha256 per shard, whose tar ends right after its last sample (see
-shards.py); 1 (older `prepare`) records none and pads each tar to a 10240-byte record.
-Both are read.
+Version 2 records a sha256 per shard, whose tar ends right after its last sample (see
+shards.py). An index of another version (1: older `prepare`, no shard sha256, tars padded to
+a 10240-byte record) is refused, naming its version: prepare the dataset again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from data_pipeline import DataError
 INDEX_FILE = "index.json"
 FORMAT_NAME = "denseformer-data"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "val")
 
 
@@ -51,13 +50,13 @@ def sample_key(position: int) -> str:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One tar shard: its file, how many samples it holds, its size and sha256 (None: v1)."""
+    """One tar shard: its file, how many samples it holds, its size and sha256."""
 
     name: str
     path: Path
     num_samples: int
     num_bytes: int
-    sha256: str | None = None
+    sha256: str
 
 
 @dataclass
@@ -101,11 +100,6 @@ class DatasetIndex:
         return sum(shard.num_samples for shard in self.shards(split))
 
     @property
-    def has_checksums(self) -> bool:
-        """Whether the index records a sha256 per shard (version 2 on)."""
-        return self.version >= 2
-
-    @property
     def inputs(self) -> dict:
         """Input summary recorded by prepare: files, documents, bytes, tokens."""
         return dict(self.raw.get("inputs", {}))
@@ -126,10 +120,12 @@ def parse_index(raw: dict, data_dir: Path) -> DatasetIndex:
     if not isinstance(raw, dict):
         raise DataError(f"{index_path}: expected a JSON object at the top level")
     fmt, version = raw.get("format"), raw.get("version")
-    if fmt != FORMAT_NAME or version not in READABLE_VERSIONS or isinstance(version, bool):
+    if fmt != FORMAT_NAME or version != FORMAT_VERSION or isinstance(version, bool):
         raise DataError(
-            f"{index_path}: format {fmt!r} version {version!r}, "
-            f"expected {FORMAT_NAME!r} version {' or '.join(map(str, READABLE_VERSIONS))}"
+            f"{index_path}: format {fmt!r} version {version!r}, expected {FORMAT_NAME!r} "
+            f"version {FORMAT_VERSION}"
+            + (" (version 1 is an older `prepare`'s: prepare the dataset again)"
+               if fmt == FORMAT_NAME and version == 1 else "")
         )
     seq_len = _require(raw, "seq_len", int, "", index_path)
     vocab_size = _require(raw, "vocab_size", int, "", index_path)
@@ -161,14 +157,12 @@ def parse_index(raw: dict, data_dir: Path) -> DatasetIndex:
             num_bytes = _require(shard, "bytes", int, where, index_path)
             if "/" in name or name.startswith(".") or samples < 1:
                 raise DataError(f"{index_path}: bad shard entry {where[:-1]} = {shard!r}")
-            digest = None
-            if version >= 2:
-                digest = _require(shard, "sha256", str, where, index_path)
-                if len(digest) != 64 or digest.strip("0123456789abcdef"):
-                    raise DataError(
-                        f"{index_path}: key {where}sha256 has a bad value {digest!r} "
-                        "(expected 64 lowercase hex digits)"
-                    )
+            digest = _require(shard, "sha256", str, where, index_path)
+            if len(digest) != 64 or digest.strip("0123456789abcdef"):
+                raise DataError(
+                    f"{index_path}: key {where}sha256 has a bad value {digest!r} "
+                    "(expected 64 lowercase hex digits)"
+                )
             infos.append(ShardInfo(name, data_dir / name, samples, num_bytes, digest))
         split_shards[split] = infos
     return DatasetIndex(
@@ -218,8 +212,7 @@ def check_index_files(index: DatasetIndex) -> None:
 
     Samples are fixed-size records, so a shard's size follows from its sample count: an
     index promising more samples than a shard holds (an IndexError at some later step) or
-    fewer (a silent subset) is refused here. Version-1 shards are padded to 10240 bytes, so
-    for them a count off by less than 10240 / record bytes can pass.
+    fewer (a silent subset) is refused here.
     """
     # Imported here: shards.py imports this module for the shard and sample names.
     from data_pipeline.shard_layout import record_bytes, samples_for_bytes, shard_bytes
@@ -234,7 +227,6 @@ def check_index_files(index: DatasetIndex) -> None:
             f"recorded in {index.index_path}"
         )
     record = record_bytes(index.sample_len, index.token_dtype)
-    legacy = index.version < 2
     for split in SPLITS:
         for shard in index.shards(split):
             try:
@@ -243,9 +235,9 @@ def check_index_files(index: DatasetIndex) -> None:
                 raise DataError(
                     f"{shard.path}: shard listed in the index is unreadable ({error.strerror})"
                 ) from error
-            holds = samples_for_bytes(size, record, legacy)
+            holds = samples_for_bytes(size, record)
             if shard.num_samples not in holds:
-                expected = shard_bytes(shard.num_samples, record, legacy)
+                expected = shard_bytes(shard.num_samples, record)
                 raise DataError(
                     f"{shard.path}: index says {shard.num_samples} samples, which make a "
                     f"{expected}-byte shard, but the file has {size} bytes "
@@ -261,9 +253,7 @@ def check_index_files(index: DatasetIndex) -> None:
 def _describe_count(holds: range, record: int) -> str:
     if not holds:
         return f"not a whole number of {record}-byte samples: truncated or not from prepare"
-    if len(holds) == 1:
-        return f"{holds.start} samples"
-    return f"{holds.start} to {holds.stop - 1} samples"
+    return f"{holds.start} samples"
 
 
 def write_index(raw: dict, data_dir: Path) -> Path:

@@ -6,8 +6,7 @@ of a dataset (record_bytes); after the last sample come the two 512-byte zero bl
 that end a tar, and nothing else. So a shard of n samples has exactly n * R + 1024 bytes
 and its size gives n back. tarfile would also pad the archive to a multiple of its
 10240-byte record; the writer cuts that padding off, because with it the size only pins n
-down to within 10240 / R samples. Shards of version-1 indexes (older `prepare`) still
-carry the padding (legacy=True below).
+down to within 10240 / R samples.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import tarfile
 import numpy as np
 
 END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE  # the two zero blocks that close a tar
-LEGACY_RECORD = tarfile.RECORDSIZE  # version-1 shards are padded to a multiple of this
 
 
 def npy_bytes(sample: np.ndarray) -> bytes:
@@ -42,23 +40,13 @@ def record_bytes(sample_len: int, dtype: str) -> int:
     return record_of(len(npy_bytes(np.zeros(sample_len, dtype=dtype))))
 
 
-def shard_bytes(num_samples: int, record: int, legacy: bool = False) -> int:
+def shard_bytes(num_samples: int, record: int) -> int:
     """Exact file size of a shard of num_samples records of `record` bytes each."""
-    size = num_samples * record + END_OF_ARCHIVE
-    return padded(size, LEGACY_RECORD) if legacy else size
+    return num_samples * record + END_OF_ARCHIVE
 
 
-def samples_for_bytes(size: int, record: int, legacy: bool = False) -> range:
-    """The sample counts whose shard has exactly `size` bytes; empty if none has.
-
-    One count for current shards; for legacy ones every n with
-    size - 10240 < n * R + 1024 <= size, which is up to 10240 / R counts.
-    """
-    if legacy:
-        if size <= 0 or size % LEGACY_RECORD:
-            return range(0)
-        low = max(0, (size - LEGACY_RECORD - END_OF_ARCHIVE) // record + 1)
-        return range(low, (size - END_OF_ARCHIVE) // record + 1)
+def samples_for_bytes(size: int, record: int) -> range:
+    """The sample counts whose shard has exactly `size` bytes (one, or none)."""
     body = size - END_OF_ARCHIVE
     if body < 0 or body % record:
         return range(0)

@@ -35,26 +35,13 @@ def summary(index: DatasetIndex) -> str:
 
 
 def check_shard_sha256(shard: ShardInfo, index: DatasetIndex) -> None:
-    """The shard's bytes hash to the sha256 the index records (no-op for a version-1 index)."""
-    if shard.sha256 is None:
-        return
+    """The shard's bytes hash to the sha256 the index records."""
     actual = sha256_file(shard.path)
     if actual != shard.sha256:
         raise DataError(
             f"{shard.path}: sha256 {actual} differs from {shard.sha256} recorded in "
             f"{index.index_path} (the shard changed after prepare wrote it)"
         )
-
-
-def checksum_note(index: DatasetIndex) -> str | None:
-    """Why `inspect` could not verify shard contents, or None when it could."""
-    if index.has_checksums:
-        return None
-    return (
-        f"  note: {index.index_path} (version {index.version}) records no shard sha256, so "
-        "shard contents cannot be verified against what prepare wrote; re-run prepare "
-        "to add checksums"
-    )
 
 
 def _show(processor, sample: np.ndarray, eos_id: int, limit: int = 400) -> str:
@@ -111,11 +98,8 @@ def inspect_dataset(data_dir: str | Path, num_decoded: int = 3, progress: bool =
                         f"{shard.path}: {count} samples, index says {shard.num_samples}"
                     )
                 position += count
-    hashes = ", every shard's sha256 matches" if index.has_checksums else ""
-    report = [summary(index), f"  ok: {total} samples checked, {eos_count} EOS tokens{hashes}"]
-    note = checksum_note(index)
-    if note:
-        report.append(note)
+    report = [summary(index), f"  ok: {total} samples checked, {eos_count} EOS tokens, every "
+              "shard's sha256 matches"]
     if decoded:
         report += ["samples:"] + decoded
     return "\n".join(report)

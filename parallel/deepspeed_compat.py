@@ -16,7 +16,7 @@ owns is not public API; these functions read it from DeepSpeed's optimizer:
   (r = `_get_param_partition_rank(param)`), the part past `ds_numel` being padding, and
   keeps them in `param.ds_tensor` (the model copy) too; `param.ds_shape` is the full shape.
 
-One function per internal, each saying what it relies on. tests/test_deepspeed_compat.py
+One function per internal, each saying what it relies on. tests/test_zero_checkpoint.py
 pins the version and checks every one against DeepSpeed's public helpers, so an upgrade
 that changes them fails a test instead of writing wrong checkpoints.
 """

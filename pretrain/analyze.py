@@ -95,16 +95,13 @@ def checkpoint_entry(step: int | None, path: Path, matrix: torch.Tensor,
 
 
 def _saved_alpha(path: Path) -> torch.Tensor:
-    """The dwa_alpha tensor of a native checkpoint, read without the other weights where the
-    format allows."""
+    """The dwa_alpha tensor of a native checkpoint, read without the other weights."""
     from pretrain import checkpoint, sharded_checkpoint
 
     manifest = checkpoint.read_manifest(path)
-    if "tensors" in manifest["parts"]:
-        model_state, _ = sharded_checkpoint.read_full(path, manifest, names=["dwa_alpha"],
-                                                      optimizer=False)
-    else:
-        model_state = sharded_checkpoint.read_checkpoint(path, optimizer=False)["model"]
+    checkpoint.require_current_format(path, manifest)
+    model_state, _ = sharded_checkpoint.read_full(path, manifest, names=["dwa_alpha"],
+                                                  optimizer=False)
     return model_state["dwa_alpha"]
 
 

@@ -1,6 +1,7 @@
 """Atomic, self-verifying checkpoints.
 
-Layout of one checkpoint (`ckpt_root/step-00001000/`), format 2 (the trainer's):
+Layout of one checkpoint (`ckpt_root/step-00001000/`), format 2, written by the trainer at
+any layout and by one process (`sharded_checkpoint.write_checkpoint`) alike:
 
     manifest.json    written last: {"format", "step", "created", "parts": {name: file},
                      "files": {relative path: {"bytes", "sha256"}}}
@@ -10,18 +11,18 @@ Layout of one checkpoint (`ckpt_root/step-00001000/`), format 2 (the trainer's):
                      through torch.distributed.checkpoint (pretrain/sharded_checkpoint.py):
                      `.metadata` (DCP's index) and `__<rank>_0.distcp` (what that rank owned)
 
-Format 1 (before sharded checkpoints, and what `save_checkpoint` still writes for plain
-parts): `<part>.pt` files (model, optimizer, ...) written with torch.save, read back with
-torch.load(weights_only=True); the trainer refuses them, `python -m pretrain checkpoint
-convert` turns them into format 2.
+Any other format is refused by every reader, naming its version: format 1 (`model.pt`,
+`optimizer.pt`: full tensors written with torch.save, before sharded checkpoints) is no
+longer read; `python -m pretrain checkpoint convert` at commit 8c1caaa or earlier turns one
+into format 2.
 
 A checkpoint is written into `ckpt_root/.tmp-step-XXXXXXXX-<random>/`, every file fsynced,
 the manifest written last, then the directory is renamed to its final name: a reader sees
 either no checkpoint or a complete one. A directory without a readable manifest, or whose
-files disagree with it, is not a checkpoint. For sharded state, each rank may write its own
-parts into one shared temporary directory (`new_tmp_dir` + `write_parts`) and one rank
-commits it after a barrier (`finalize_checkpoint`); files in subdirectories (e.g. written
-by DCP) are covered by the manifest too; each rank hashes the files it wrote.
+files disagree with it, is not a checkpoint. Every rank writes its tensors into one shared
+temporary directory (`new_tmp_dir`); after a barrier one rank writes the meta (`write_meta`)
+and commits it (`finalize_checkpoint`); the manifest covers the files of subdirectories
+(DCP's) too, each rank hashing the files it wrote.
 """
 
 from __future__ import annotations
@@ -38,15 +39,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pretrain.run_files import umask_dir_mode
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # with a "tensors" part (DCP); plain .pt parts make format 1
-CONVERT_HINT = "python -m pretrain checkpoint convert"
+FORMAT_VERSION = 2  # a "meta" part (JSON) and a "tensors" part (DCP)
+META_FILE = "meta.json"
+LAST_CONVERTER = "8c1caaa"  # the last commit with `checkpoint convert` (format 1 -> 2)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 class CheckpointError(RuntimeError):
@@ -74,10 +73,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _part_file(name: str) -> str:
-    return "meta.json" if name == "meta" else f"{name}.pt"
-
-
 def new_tmp_dir(ckpt_root: Path, step: int) -> Path:
     """A fresh temporary directory in `ckpt_root` to write the checkpoint of `step` into."""
     ckpt_root = Path(ckpt_root)
@@ -87,27 +82,16 @@ def new_tmp_dir(ckpt_root: Path, step: int) -> Path:
     return tmp_dir
 
 
-def write_parts(directory: Path, state: dict[str, Any]) -> None:
-    """Write each part of `state` into `directory` ("meta" as JSON, others with torch.save)."""
-    directory = Path(directory)
-    for name, part in state.items():
-        if not _PART_NAME.match(name) or name == Path(MANIFEST).stem:
-            raise ValueError(f"invalid checkpoint part name {name!r}")
-        path = directory / _part_file(name)
-        if name == "meta":
-            try:
-                data = json.dumps(part, indent=1).encode()
-            except (TypeError, ValueError) as err:
-                raise TypeError(f"checkpoint part 'meta' is not JSON-serialisable: {err}") from err
-        # Through a Python file object: a full disk is then OSError(ENOSPC), where
-        # torch.save(obj, path) reports only "unexpected pos" from its C++ writer.
-        with open(path, "wb") as f:
-            if name == "meta":
-                f.write(data)
-            else:
-                torch.save(part, f)
-            f.flush()
-            os.fsync(f.fileno())
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    """Write (and fsync) the part "meta", `meta` as JSON, into `directory`."""
+    try:
+        data = json.dumps(meta, indent=1).encode()
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"checkpoint part 'meta' is not JSON-serialisable: {err}") from err
+    with open(Path(directory) / META_FILE, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_manifest(tmp_dir: Path, step: int,
@@ -125,11 +109,14 @@ def write_manifest(tmp_dir: Path, step: int,
             raise OSError(f"{path}: {size} bytes on disk, its writer reported "
                           f"{hashed[rel]['bytes']}")
         files[rel] = hashed.get(rel) or {"bytes": size, "sha256": sha256_file(path)}
-        if path.parent == tmp_dir and (path.suffix == ".pt" or rel == "meta.json"):
-            parts["meta" if rel == "meta.json" else path.stem] = rel
+        if rel == META_FILE:
+            parts["meta"] = rel
         elif path.name == ".metadata" and path.parent.parent == tmp_dir:  # a DCP directory
             parts[path.parent.name] = path.parent.name
-    manifest = {"format": FORMAT_VERSION if "tensors" in parts else 1, "step": step,
+    if sorted(parts) != ["meta", "tensors"]:
+        raise CheckpointError(f"{tmp_dir}: parts {sorted(parts)}, a checkpoint of format "
+                              f"{FORMAT_VERSION} has meta and tensors")
+    manifest = {"format": FORMAT_VERSION, "step": step,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "parts": parts, "files": files}
     with open(tmp_dir / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -158,20 +145,6 @@ def finalize_checkpoint(tmp_dir: Path, ckpt_root: Path, step: int, retention: Re
         shutil.rmtree(old, ignore_errors=True)
     retention.prune(ckpt_root, written=final)
     return final
-
-
-def save_checkpoint(ckpt_root: Path, step: int, state: dict[str, Any], keep: int,
-                    protect: Iterable[Path] = ()) -> Path:
-    """Atomically write `state` as ckpt_root/step-XXXXXXXX, then prune to the newest `keep`
-    intact checkpoints (0: keep all), never one in `protect`."""
-    tmp_dir = new_tmp_dir(ckpt_root, step)
-    protected = tuple(protect)
-    try:
-        write_parts(tmp_dir, state)
-        return finalize_checkpoint(tmp_dir, ckpt_root, step, Retention(keep, lambda: protected))
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
 
 
 def read_manifest(path: Path, verify_hashes: bool = False) -> dict[str, Any]:
@@ -323,38 +296,33 @@ class Retention:
         return True
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu",
-                    parts: list[str] | None = None, verify_hashes: bool = True) -> dict[str, Any]:
-    """The plain parts saved at `path` ("meta" and format 1's .pt files; all, or those named);
-    CheckpointError if incomplete. A format-2 checkpoint's tensors are read by
-    `pretrain.sharded_checkpoint` (`read_checkpoint` gives them in this function's form)."""
+def read_meta(path: Path, verify_hashes: bool = True,
+              manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The part "meta" of checkpoint `path` (its `manifest` if already read); CheckpointError
+    if it is incomplete or of another format. Its tensors are read by
+    `pretrain.sharded_checkpoint`."""
     path = Path(path)
-    manifest = read_manifest(path, verify_hashes)
-    plain = {name: rel for name, rel in manifest["parts"].items() if name != "tensors"}
-    names = list(plain) if parts is None else parts
-    state = {}
-    for name in names:
-        if name not in plain:
-            raise CheckpointError(f"{path / MANIFEST}: no part {name!r} "
-                                  f"(parts: {', '.join(manifest['parts'])})")
-        file = path / plain[name]
-        try:
-            if name == "meta":
-                state[name] = json.loads(file.read_text())
-            else:
-                state[name] = torch.load(file, map_location=map_location, weights_only=True)
-        except Exception as err:
-            raise CheckpointError(f"{file}: cannot be loaded ({err})") from err
-    return state
+    manifest = read_manifest(path, verify_hashes) if manifest is None else manifest
+    require_current_format(path, manifest)
+    file = path / manifest["parts"]["meta"]
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: cannot be loaded ({err})") from err
 
 
 def require_current_format(path: Path, manifest: dict[str, Any]) -> None:
-    """CheckpointError unless `manifest` (of `path`) is a format-2 checkpoint."""
-    if "tensors" not in manifest["parts"]:
+    """CheckpointError, naming the version, unless `manifest` (of `path`) is of format 2."""
+    version = manifest.get("format", 1)  # the first manifests had no "format" key
+    if version != FORMAT_VERSION or sorted(manifest["parts"]) != ["meta", "tensors"]:
+        old = version == 1 and "tensors" not in manifest["parts"]
         raise CheckpointError(
-            f"{path} is a checkpoint of format {manifest.get('format', 1)} (parts "
-            f"{', '.join(sorted(manifest['parts']))}, written before sharded checkpoints); "
-            f"convert it first: `{CONVERT_HINT} {path} --out NEW`, then resume from NEW")
+            f"{path} is a checkpoint of format {version} (parts "
+            f"{', '.join(sorted(manifest['parts']))}); this version reads format "
+            f"{FORMAT_VERSION} only" + (
+                f". Format 1 was written before sharded checkpoints: convert it with "
+                f"`python -m pretrain checkpoint convert {path} --out NEW` at commit "
+                f"{LAST_CONVERTER} or earlier" if old else ""))
 
 
 def hash_share(files: dict[str, dict], rank: int, world: int) -> list[str]:

@@ -1,10 +1,8 @@
-"""`python -m pretrain checkpoint inspect|export|convert`: tools for a checkpoint on disk."""
+"""`python -m pretrain checkpoint inspect|export`: tools for a checkpoint on disk."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from pathlib import Path
 
 from pretrain import checkpoint, sharded_checkpoint
@@ -23,11 +21,9 @@ def _run_config(path: Path):
 
 
 def run_tool(tool: str, path: Path, verify: bool, out: Path | None) -> int:
-    """`checkpoint inspect|export|convert`; the exit status."""
+    """`checkpoint inspect|export`; the exit status."""
     if not path.is_dir():
         raise checkpoint.CheckpointError(f"{path} is not a checkpoint directory")
-    if tool == "convert":
-        return _convert(path, out)
     verify = tool == "export" or verify
     manifest = checkpoint.read_manifest(path, verify_hashes=verify)
     if tool == "inspect":
@@ -36,7 +32,7 @@ def run_tool(tool: str, path: Path, verify: bool, out: Path | None) -> int:
 
 
 def _inspect(path: Path, manifest: dict, verified: bool) -> int:
-    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    meta = checkpoint.read_meta(path, manifest=manifest)
     files = manifest["files"]
     total = sum(f["bytes"] for f in files.values())
     print(f"checkpoint {path}: step {meta.get('step')}, format {manifest.get('format', 1)}, "
@@ -44,16 +40,12 @@ def _inspect(path: Path, manifest: dict, verified: bool) -> int:
     print(f"files: {len(files)}, {total:,} bytes; largest: " + ", ".join(
         f"{rel} {info['bytes']:,}" for rel, info in sorted(
             files.items(), key=lambda item: -item[1]["bytes"])[:4]))
-    if "tensors" in manifest["parts"]:
-        entries = sharded_checkpoint.tensor_entries(sharded_checkpoint.read_metadata(
-            path, manifest))
-        for key, md in sorted(entries.items()):
-            print(f"  {key}: {tuple(md.size)} {str(md.properties.dtype).removeprefix('torch.')}"
-                  f", {md.size.numel() * md.properties.dtype.itemsize:,} bytes in "
-                  f"{len(md.chunks)} shard(s)")
-    else:
-        print(f"format 1 (parts {', '.join(sorted(manifest['parts']))}): the trainer needs "
-              f"`{checkpoint.CONVERT_HINT} {path} --out NEW` first")
+    entries = sharded_checkpoint.tensor_entries(sharded_checkpoint.read_metadata(
+        path, manifest))
+    for key, md in sorted(entries.items()):
+        print(f"  {key}: {tuple(md.size)} {str(md.properties.dtype).removeprefix('torch.')}"
+              f", {md.size.numel() * md.properties.dtype.itemsize:,} bytes in "
+              f"{len(md.chunks)} shard(s)")
     print("intact: sizes and sha256 of every file match the manifest" if verified else
           "intact: every file has its size (add --verify to check every sha256)")
     return 0
@@ -66,10 +58,9 @@ def _export(path: Path, manifest: dict, out: Path) -> int:
     from pretrain.config import save_config
     from pretrain.load import run_tokenizer
 
-    checkpoint.require_current_format(path, manifest)
+    meta = checkpoint.read_meta(path, manifest=manifest)
     cfg = _run_config(path)
     tokenizer = run_tokenizer(path.resolve().parent.parent, cfg)  # the run's copy, or the data's
-    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
     trained_with = meta.get("fingerprint", {}).get("tokenizer_sha256", tokenizer.sha256)
     if trained_with != tokenizer.sha256:
         raise checkpoint.CheckpointError(
@@ -86,25 +77,3 @@ def _export(path: Path, manifest: dict, out: Path) -> int:
           f"({len(model_state)} tensors), {out / 'config.yaml'}, {copied}")
     return 0
 
-
-def _convert(path: Path, out: Path) -> int:
-    """A format-1 checkpoint (model.pt, optimizer.pt: full tensors) as a format-2 one."""
-    manifest = checkpoint.read_manifest(path, verify_hashes=True)
-    if "tensors" in manifest["parts"]:
-        raise checkpoint.CheckpointError(f"{path} is already a sharded (format 2) checkpoint")
-    if out.exists():
-        raise checkpoint.CheckpointError(f"--out {out} exists; name a new directory")
-    state = checkpoint.load_checkpoint(path, verify_hashes=False)
-    meta = {**state["meta"], "converted_from": str(path.resolve())}
-    tmp_dir = checkpoint.new_tmp_dir(out.parent, meta["step"])  # same file system: rename
-    try:
-        sharded_checkpoint.save(tmp_dir, sharded_checkpoint.full_state(
-            state["model"], state.get("optimizer", {})), rank=0)
-        checkpoint.write_parts(tmp_dir, {"meta": meta})
-        checkpoint.write_manifest(tmp_dir, meta["step"])
-        os.rename(tmp_dir, out)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    print(f"converted {path} (step {meta['step']}) into {out}")
-    return 0

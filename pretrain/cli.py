@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--checkpoint", help="a checkpoint directory")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     type=override_argument)
-    ck = sub.add_parser("checkpoint", help="inspect, export or convert a checkpoint")
+    ck = sub.add_parser("checkpoint", help="inspect or export a checkpoint")
     tools = ck.add_subparsers(dest="tool", required=True)
     inspect = tools.add_parser("inspect", help="step, layout, tensors, sizes, intactness")
     inspect.add_argument("path", help="a checkpoint directory (step-XXXXXXXX)")
@@ -43,10 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
                               "only), config.yaml and the tokenizer, for sharing and eval")
     export.add_argument("path", help="a checkpoint directory (step-XXXXXXXX)")
     export.add_argument("--out", required=True, help="directory to write (created)")
-    convert = tools.add_parser("convert", help="rewrite a checkpoint of format 1 (model.pt, "
-                               "optimizer.pt) as a sharded (format 2) one")
-    convert.add_argument("path", help="the format-1 checkpoint directory")
-    convert.add_argument("--out", required=True, help="the new checkpoint directory")
     generate_cli.add_parser(sub)
     lm_eval_cli.add_parser(sub)
     analyze.add_parser(sub)

@@ -55,7 +55,7 @@ def _checkpoint_of(path: Path) -> Path:
 
 def _check(path: Path, fingerprint: dict) -> dict:
     """The checkpoint's meta, after checking that its model can start this run."""
-    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    meta = checkpoint.read_meta(path, verify_hashes=False)
     saved = meta.get("fingerprint")
     if saved is None:
         raise ConfigError("train.init_from", f"{path} records no model config (written before "

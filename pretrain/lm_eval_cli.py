@@ -116,7 +116,7 @@ def checkpoint_run(path: Path) -> tuple[str, str, int] | str:
             return f"{path} holds no complete checkpoint"
     else:
         return f"{path} is not a checkpoint of a run (an exported directory has no MLflow run)"
-    meta = checkpoint.load_checkpoint(step_dir, parts=["meta"], verify_hashes=False)["meta"]
+    meta = checkpoint.read_meta(step_dir, verify_hashes=False)
     run_dir = step_dir.resolve().parent.parent
     cfg = load_config(run_dir / "config.yaml", [f"run.dir={run_dir}"], check=False)
     if not cfg.tracking.enabled or not meta.get("mlflow_run_id"):

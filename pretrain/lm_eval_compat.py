@@ -28,8 +28,9 @@ def captured_results() -> Iterator[list[dict]]:
 
     # Patch: the command line looks the function up at each run (`from lm_eval import
     # simple_evaluate` inside Run._execute, which lm_eval.__getattr__ answers from
-    # lm_eval.evaluator), so replacing the module attribute is enough. The test
-    # `test_captured_results_sees_the_cli_lookup` fails if that lookup changes.
+    # lm_eval.evaluator), so replacing the module attribute is enough; tests/test_lm_eval.py's
+    # `test_cli_runs_lm_eval_and_logs_scores_to_mlflow` fails if that lookup changes (no
+    # score reaches MLflow).
     evaluator.simple_evaluate = recording
     try:
         yield results

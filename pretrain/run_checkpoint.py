@@ -72,7 +72,7 @@ def commit(tmp_dir: Path, written: dict, error: str | None, ckpt_root: Path, ste
             errors = [e for _, e in reports if e is not None]
             if errors:
                 raise SaveFailed(errors[0])
-            checkpoint.write_parts(tmp_dir, {"meta": meta})
+            checkpoint.write_meta(tmp_dir, meta)
             return str(checkpoint.finalize_checkpoint(
                 tmp_dir, ckpt_root, step, retention,
                 hashed={rel: entry for files, _ in reports for rel, entry in files.items()}))
@@ -199,8 +199,7 @@ def load_run(engine, path: Path, check: Callable[[dict], None] = lambda meta: No
     `check(meta)` runs first, so a run that differs is named before any tensor shape is.
     Sizes are checked here; the hashes were checked when the checkpoint was chosen."""
     manifest = checkpoint.read_manifest(path)
-    checkpoint.require_current_format(path, manifest)
-    meta = checkpoint.load_checkpoint(path, parts=["meta"], verify_hashes=False)["meta"]
+    meta = checkpoint.read_meta(path, manifest=manifest)
     check(meta)
     engine.load_sharded_state(path, manifest)
     return meta

@@ -22,6 +22,7 @@ layout resumes at any other. Tools (eval, export, inspect) read full tensors in 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,10 +35,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pretrain.checkpoint import (
     CheckpointError,
+    Retention,
+    finalize_checkpoint,
     hash_share,
-    load_checkpoint,
+    new_tmp_dir,
     read_manifest,
+    read_meta,
     sha256_file,
+    write_meta,
 )
 from pretrain.flat_shards import Blocks, FlatShard, LoadPlanner, SavePlanner
 from pretrain.optim import is_fused
@@ -350,15 +355,27 @@ def read_full(checkpoint: Path, manifest: dict, names: list[str] | None = None,
 
 
 def read_checkpoint(path: Path, optimizer: bool = True, verify_hashes: bool = True) -> dict:
-    """{"meta", "model", "optimizer"} of checkpoint `path`, any format, full tensors by
-    parameter name, read by this process alone (tools and tests; the trainer reads its own
-    slices with `load_local`)."""
+    """{"meta", "model", "optimizer"} of checkpoint `path`, full tensors by parameter name,
+    read by this process alone (tools and tests; the trainer reads its own slices with
+    `load_local`)."""
     manifest = read_manifest(path, verify_hashes)
-    if "tensors" not in manifest["parts"]:  # format 1: full tensors in model.pt, optimizer.pt
-        parts = ["meta", "model", *(["optimizer"] if optimizer else [])]
-        return load_checkpoint(path, parts=parts, verify_hashes=False)
-    state = load_checkpoint(path, parts=["meta"], verify_hashes=False)
+    state = {"meta": read_meta(path, manifest=manifest)}
     state["model"], optimizer_state = read_full(path, manifest, optimizer=optimizer)
     if optimizer:
         state["optimizer"] = optimizer_state
     return state
+
+
+def write_checkpoint(ckpt_root: Path, step: int, state: dict, keep: int = 0) -> Path:
+    """Write `state` ({"meta", "model", "optimizer"}: `read_checkpoint`'s form, full tensors)
+    as checkpoint ckpt_root/step-XXXXXXXX from this process alone, atomically, then prune
+    to the newest `keep` intact checkpoints (0: keep all); its path. The same format as the
+    trainer's at any layout, so the trainer resumes from it."""
+    tmp_dir = new_tmp_dir(ckpt_root, step)
+    try:
+        save(tmp_dir, full_state(state["model"], state.get("optimizer", {})), rank=0)
+        write_meta(tmp_dir, state["meta"])
+        return finalize_checkpoint(tmp_dir, ckpt_root, step, Retention(keep))
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+# The fast tier: `fast` marks, and the guard that fails a fast test that starts a process.
+from tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401,E501
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

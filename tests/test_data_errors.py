@@ -218,7 +218,7 @@ def test_bad_or_missing_index(dataset, capsys, tmp_path):
     index_path = dataset.index_path
     index_path.write_text("{ not json")
     assert str(index_path) in cli_error(capsys, ["inspect", str(dataset.data_dir)])
-    raw = {"format": "denseformer-data", "version": 1, "seq_len": 16}
+    raw = {"format": "denseformer-data", "version": 2, "seq_len": 16}
     index_path.write_text(json.dumps(raw))
     assert "vocab_size" in cli_error(capsys, ["inspect", str(dataset.data_dir)])
     index_path.unlink()

@@ -123,18 +123,11 @@ def test_flipped_token_refused_by_inspect(dataset):
 
 
 @pytest.mark.timeout(60)
-def test_old_index_without_checksums_loads_and_inspect_says_so(dataset, capsys):
+def test_old_index_version_is_refused_naming_it(dataset, capsys):
     downgrade_to_version_1(dataset.data_dir)
-    assert main(["inspect", str(dataset.data_dir), "--samples", "0"]) == 0
-    out = capsys.readouterr().out
-    assert "ok:" in out
-    assert f"note: {dataset.index_path} (version 1) records no shard sha256" in out
-    old = read_index(dataset.data_dir)
-    assert old.version == 1 and not old.has_checksums
-    assert all(shard.sha256 is None for shard in old.shards("train"))
-    # Its padded shards still pin the count down when it is off by a whole record or more.
-    raw = json.loads(old.index_path.read_text())
-    raw["splits"]["train"]["shards"][0]["samples"] += 10
-    old.index_path.write_text(json.dumps(raw))
-    with pytest.raises(DataError, match=str(old.shards("train")[0].path)):
+    with pytest.raises(DataError, match=r"version 1, expected 'denseformer-data' version 2 "
+                       r"\(version 1 is an older `prepare`'s: prepare the dataset again\)"):
         read_index(dataset.data_dir)
+    assert main(["inspect", str(dataset.data_dir), "--samples", "0"]) == 2
+    assert f"{dataset.index_path}: format 'denseformer-data' version 1" in \
+        capsys.readouterr().err

@@ -3,13 +3,17 @@
 Checked: each `docs/NAME.md` (and `docs/NAME.md#anchor`) cited in README.md, docs/*.md, the
 .py/.sh/.sbatch/.yaml/.toml files and scripts such as .ci/run; each relative link in the
 markdown files; and that nothing cites the design notes that live outside the repository, or
-the retired `docs_*.md` files. Anchors are GitHub's: the heading text lower-cased,
+the retired `docs_*.md` files; and each repository path named anywhere in that text (code
+comments and docstrings included: `tests/test_zero.py`, `configs/paper/`), where
+`{a,b}` is expanded, `*` is a glob and an all-capitals part (`MODEL`) stands for any name.
+Anchors are GitHub's: the heading text lower-cased,
 punctuation dropped, spaces turned into hyphens, a `-1`, `-2`, ... suffix on repeats.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import sys
@@ -139,6 +143,47 @@ def broken_references(path: Path) -> list[str]:
     return list(dict.fromkeys(problems))  # one message per broken reference
 
 
+@functools.lru_cache(maxsize=None)
+def repository_path(root: Path) -> re.Pattern:
+    """A path under one of the repository's top-level folders (those holding its files:
+    .ci, pretrain, tests, ...), not part of a longer path (a brace counts only with a comma
+    in it: `{r.name}` in an f-string ends the path)."""
+    folders = "|".join(sorted({re.escape(p.relative_to(root).parts[0])
+                               for p in repository_files() if p.parent != root}))
+    return re.compile(rf"(?<![\w/.$~-])((?:{folders})/(?:[\w.*/-]|\{{[\w.-]*,[\w.,-]*\}})*)")
+
+
+def named_paths_exist(root: Path, named: str) -> bool:
+    """Whether every path `named` stands for (braces expanded) exists: a glob for `*` and
+    for the all-capitals parts that stand for a name."""
+    named = named.rstrip(".-")
+    pieces = re.split(r"(\{[^}]*\})", named)
+    options = [p[1:-1].split(",") if p.startswith("{") else [p] for p in pieces]
+    for choice in itertools.product(*options):
+        path = "".join(choice)
+        pattern = re.sub(r"(?<![a-z])[A-Z][A-Z_]+(?![a-z])", "*", path)
+        if not (any(root.glob(pattern)) if "*" in pattern else (root / path).exists()):
+            return False
+    return True
+
+
+def missing_paths(path: Path) -> list[str]:
+    """Each repository path named in `path` that does not exist, with its line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    problems = []
+    for match in repository_path(ROOT).finditer(text):
+        if not named_paths_exist(ROOT, match.group(1)):
+            line = text.count("\n", 0, match.start()) + 1
+            problems.append(f"{path.relative_to(ROOT)}:{line}: names {match.group(1)}, "
+                            "which does not exist")
+    return problems
+
+
+def test_every_repository_path_named_exists():
+    problems = [p for path in repository_files() for p in missing_paths(path)]
+    assert not problems, "paths named that do not exist:\n" + "\n".join(problems)
+
+
 def test_every_cited_docs_file_and_anchor_exists():
     files = repository_files()
     assert ROOT / "README.md" in files, "README.md is missing"
@@ -178,3 +223,18 @@ def test_checker_catches_a_missing_file_and_anchor(tmp_path, monkeypatch):
     assert "no heading with anchor #not-a-heading" in problems[0]
     assert "docs/b.md does not exist" in problems[1]
     assert "mod.py:2: cites DESIGN" in problems[2]
+
+
+def test_path_checker_catches_a_missing_path_and_reads_patterns(tmp_path, monkeypatch):
+    for name in ("tests/test_zero.py", "configs/paper/dense-48-1x1.yaml",
+                 "configs/paper/dense-48-4x5.yaml"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    src = tmp_path / "mod.py"
+    src.write_text("# tests/test_zero.py, configs/paper/, configs/paper/dense-48-{1x1,4x5}.yaml,\n"
+                   "# configs/paper/MODEL.yaml, tests/test_*.py, runs/x/step-1 (not tracked)\n"
+                   "# tests/test_deepspeed_compat.py and configs/paper/dense-48-{1x1,2x2}.yaml\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert missing_paths(src) == [
+        "mod.py:3: names tests/test_deepspeed_compat.py, which does not exist",
+        "mod.py:3: names configs/paper/dense-48-{1x1,2x2}.yaml, which does not exist"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, read_meta
 from tests.conftest import ROOT
 from tests.test_train import on_ranks, run, train_cmd
 
@@ -41,7 +41,7 @@ def test_a_full_disk_at_a_save_stops_every_rank_naming_the_path(tiny_data, tmp_p
     assert f"the previous checkpoint {checkpoint_dir(ckpts, 2)} is intact" in result.stderr
     assert "exit status 74" in result.stderr
     assert latest_checkpoint(ckpts, verify_hashes=True) == checkpoint_dir(ckpts, 2)
-    assert load_checkpoint(checkpoint_dir(ckpts, 2))["meta"]["step"] == 2
+    assert read_meta(checkpoint_dir(ckpts, 2))["step"] == 2
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000002"]  # no temp dir left
 
 

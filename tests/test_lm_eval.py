@@ -106,15 +106,50 @@ def test_generate_until_stops_and_batches(lm):
     assert text == lm.new_text(prompt, greedy.tokens)
 
 
+QUESTIONS = [("The capital of France is", [" Paris", " a fish", " green"], 0),
+             ("Two plus two is", [" blue", " four", " the"], 1),
+             ("The sky is", [" under", " of", " blue"], 2),
+             ("Water is", [" wet", " and", " if"], 0)]
+
+
+def mc_by_hand(lm) -> dict:
+    """tiny_mc scored from the model's own cross entropy: each choice's summed log
+    probability after its question (the task has no delimiter: the choice as written), the
+    highest one (acc) and the highest per character of the choice (acc_norm)."""
+    logprobs, acc, acc_norm = [], [], []
+    for question, choices, answer in QUESTIONS:
+        scores = []
+        for choice in choices:
+            context_ids, choice_ids = lm.encode_pair(question, choice)
+            scores.append(summed_logprob(lm.model, context_ids + choice_ids, len(choice_ids)))
+        logprobs.append(scores)
+        acc.append(float(max(range(len(choices)), key=scores.__getitem__) == answer))
+        per_char = [s / len(c) for s, c in zip(scores, choices, strict=True)]
+        acc_norm.append(float(max(range(len(choices)), key=per_char.__getitem__) == answer))
+    return {"logprobs": logprobs, "acc": sum(acc) / len(acc),
+            "acc_norm": sum(acc_norm) / len(acc_norm)}
+
+
+def word_perplexity_by_hand(lm) -> float:
+    """tiny_ppl's word perplexity: exp of minus the summed log probability of the texts (the
+    model's own loss after EOS, times the tokens) over their whitespace-separated words."""
+    import math
+    import re
+
+    logprob = 0.0
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text)
+        tokens = torch.tensor([[lm.tokenizer.eos_id] + ids])
+        with torch.no_grad():
+            logprob -= lm.model.loss(tokens[:, :-1], tokens[:, 1:]).item() * len(ids)
+    return math.exp(-logprob / sum(len(re.split(r"\s+", text)) for text in TEXTS))
+
+
 def write_tasks(directory, data_dir) -> None:
     """A multiple-choice task and a rolling-loglikelihood task over local JSONL files."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    questions = [("The capital of France is", [" Paris", " a fish", " green"], 0),
-                 ("Two plus two is", [" blue", " four", " the"], 1),
-                 ("The sky is", [" under", " of", " blue"], 2),
-                 ("Water is", [" wet", " and", " if"], 0)]
     with open(data_dir / "mc.jsonl", "w") as f:
-        for question, choices, answer in questions:
+        for question, choices, answer in QUESTIONS:
             f.write(json.dumps({"question": question, "choices": choices,
                                 "answer": answer}) + "\n")
     with open(data_dir / "docs.jsonl", "w") as f:
@@ -132,6 +167,7 @@ def write_tasks(directory, data_dir) -> None:
         doc_to_text: "{{{{question}}}}"
         doc_to_choice: choices
         doc_to_target: answer
+        target_delimiter: ""
         metric_list:
           - metric: acc
           - metric: acc_norm
@@ -158,8 +194,8 @@ def write_tasks(directory, data_dir) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_cli_runs_lm_eval_and_logs_scores_to_mlflow(trained_run, tmp_path):
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint
+def test_cli_runs_lm_eval_and_logs_scores_to_mlflow(trained_run, lm, tmp_path):
+    from pretrain.checkpoint import latest_checkpoint, read_meta
     from pretrain.tracking import default_tracking_uri, mlflow_client
 
     write_tasks(tmp_path / "tasks", tmp_path / "data")
@@ -174,10 +210,13 @@ def test_cli_runs_lm_eval_and_logs_scores_to_mlflow(trained_run, tmp_path):
     written = list(out.rglob("results_*.json"))
     assert len(written) == 1, done.stderr[-2000:]
     results = json.loads(written[0].read_text())["results"]
-    assert 0 <= results["tiny_mc"]["acc,none"] <= 1
-    assert results["tiny_ppl"]["word_perplexity,none"] > 1
+    by_hand = mc_by_hand(lm)
+    assert results["tiny_mc"]["acc,none"] == pytest.approx(by_hand["acc"])
+    assert results["tiny_mc"]["acc_norm,none"] == pytest.approx(by_hand["acc_norm"])
+    assert results["tiny_ppl"]["word_perplexity,none"] == pytest.approx(
+        word_perplexity_by_hand(lm), rel=1e-5)
 
-    meta = load_checkpoint(latest_checkpoint(trained_run / "checkpoints"), parts=["meta"])["meta"]
+    meta = read_meta(latest_checkpoint(trained_run / "checkpoints"))
     client = mlflow_client(default_tracking_uri(trained_run))
     logged = client.get_run(meta["mlflow_run_id"]).data.metrics
     assert logged["lm_eval/tiny_mc/acc"] == pytest.approx(results["tiny_mc"]["acc,none"])
@@ -190,7 +229,8 @@ def test_cli_runs_lm_eval_and_logs_scores_to_mlflow(trained_run, tmp_path):
 @pytest.mark.timeout(240)
 def test_simple_evaluate_scores_the_rolling_task_with_our_loglikelihoods(lm, tmp_path,
                                                                          monkeypatch):
-    """lm-eval's evaluator in this process: its bits per byte are our summed losses."""
+    """lm-eval's evaluator in this process: its bits per byte are our summed losses, its
+    multiple-choice log probabilities and accuracies those computed by hand."""
     import math
 
     from lm_eval import simple_evaluate
@@ -201,28 +241,21 @@ def test_simple_evaluate_scores_the_rolling_task_with_our_loglikelihoods(lm, tmp
             monkeypatch.setenv(name, value)
     write_tasks(tmp_path / "tasks", tmp_path / "data")
     manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    results = simple_evaluate(model=lm, tasks=["tiny_ppl"], task_manager=manager)
+    results = simple_evaluate(model=lm, tasks=["tiny_ppl", "tiny_mc"], task_manager=manager,
+                              log_samples=True)
     rolling = lm.loglikelihood_rolling([request("loglikelihood_rolling", t) for t in TEXTS])
     expected = -sum(rolling) / sum(len(t.encode("utf-8")) for t in TEXTS) / math.log(2)
     assert results["results"]["tiny_ppl"]["bits_per_byte,none"] == pytest.approx(expected,
                                                                                  rel=1e-6)
-
-
-def test_captured_results_sees_the_cli_lookup():
-    """lm_eval_compat's patch relies on the command line fetching simple_evaluate through
-    lm_eval.__getattr__ at each run; this fails if lm-eval binds it some other way."""
-    import inspect
-
-    import lm_eval
-    from lm_eval._cli.run import Run
-
-    from pretrain.lm_eval_compat import captured_results
-
-    source = inspect.getsource(Run._execute)
-    assert "from lm_eval import simple_evaluate" in source
-    with captured_results():
-        assert lm_eval.simple_evaluate.__name__ == "recording"
-    assert lm_eval.simple_evaluate.__name__ == "simple_evaluate"
+    assert results["results"]["tiny_ppl"]["word_perplexity,none"] == pytest.approx(
+        word_perplexity_by_hand(lm), rel=1e-5)
+    by_hand = mc_by_hand(lm)
+    samples = sorted(results["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
+    for sample, expected_logprobs in zip(samples, by_hand["logprobs"], strict=True):
+        assert [r[0] for r in sample["filtered_resps"]] == pytest.approx(expected_logprobs,
+                                                                         rel=1e-5)
+    assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(by_hand["acc"])
+    assert results["results"]["tiny_mc"]["acc_norm,none"] == pytest.approx(by_hand["acc_norm"])
 
 
 def test_lm_eval_argv_names_our_model():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint
+from pretrain.checkpoint import checkpoint_dir, latest_checkpoint, read_meta
 from tests.conftest import ROOT, cli_env
 from tests.test_train import losses, on_ranks, run, train_cmd
 
@@ -109,7 +109,7 @@ def test_diverged_run_under_skip_exits_3_keeping_the_checkpoint_before_the_strea
     assert skipped == [2, 3, 4]  # step 5, the 4th skip in a row, stops the run
     before_streak = checkpoint_dir(run_dir / "checkpoints", 1)
     assert f"last good checkpoint: {before_streak}" in result.stderr
-    assert load_checkpoint(before_streak)["meta"]["step"] == 1  # pruning spared it (keep=1)
+    assert read_meta(before_streak)["step"] == 1  # pruning spared it (keep=1)
     assert "step 5: 4 steps in a row skipped" in result.stderr
     assert "train.max_consecutive_skips=3" in result.stderr
 
@@ -134,7 +134,7 @@ def test_a_second_run_on_a_locked_run_dir_is_refused_and_the_first_is_intact(
     assert first.returncode == 75, stderr
     steps = [r["step"] for r in records(run_dir) if "loss" in r]
     assert steps == list(range(1, len(steps) + 1))  # only the first run's lines
-    assert load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["meta"]["step"] \
+    assert read_meta(latest_checkpoint(run_dir / "checkpoints"))["step"] \
         == steps[-1]
 
 
@@ -153,7 +153,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_exits_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 75, stderr
-    saved = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["meta"]["step"]
+    saved = read_meta(latest_checkpoint(run_dir / "checkpoints"))["step"]
     assert saved == max(losses(run_dir)) >= 3
 
 

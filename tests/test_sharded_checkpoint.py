@@ -221,46 +221,31 @@ def test_export_gives_the_live_models_logits(tiny_data, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_old_format_is_refused_naming_convert_and_converted_resumes_exactly(tiny_data,
-                                                                            tmp_path):
-    from pretrain.checkpoint import save_checkpoint
-    from pretrain.cli import main
-    from pretrain.sharded_checkpoint import read_checkpoint
+def test_old_format_is_refused_and_one_process_writes_a_checkpoint_that_resumes_exactly(
+        tiny_data, tmp_path):
+    from pretrain.sharded_checkpoint import read_checkpoint, write_checkpoint
+    from tests.test_checkpoint import format_1_checkpoint
 
     common = ["train.steps=4", "tracking.enabled=false", "data.val_batches=0",
               "checkpoint.every=2", "checkpoint.keep=0"]
     straight = tmp_path / "straight"
     done = run(train_cmd(tiny_data, straight, *common))
     assert done.returncode == 0, done.stderr
+    state = read_checkpoint(checkpoint_dir(straight / "checkpoints", 2))
 
-    # Today's format, as the trainer wrote it before sharded checkpoints: full tensors in
-    # model.pt and optimizer.pt, the rest in meta.json.
+    # The step-2 checkpoint as the trainer wrote it before sharded checkpoints.
     run_dir = tmp_path / "old"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copy(straight / "config.yaml", run_dir / "config.yaml")
-    state = read_checkpoint(checkpoint_dir(straight / "checkpoints", 2))
-    old = save_checkpoint(tmp_path / "elsewhere", 2, state, keep=0)
-    assert sorted(p.name for p in old.iterdir()) == ["manifest.json", "meta.json", "model.pt",
-                                                     "optimizer.pt"]
-    shutil.copytree(old, checkpoint_dir(run_dir / "checkpoints", 2))
+    old = format_1_checkpoint(checkpoint_dir(run_dir / "checkpoints", 2), state)
     refused = run(train_cmd(tiny_data, run_dir, *common, "train.resume=auto"))
     assert refused.returncode == 2, refused.stderr
-    assert "format 1" in refused.stderr
-    assert f"python -m pretrain checkpoint convert {checkpoint_dir(run_dir / 'checkpoints', 2)}" \
-        in refused.stderr
+    assert f"{old} is a checkpoint of format 1" in refused.stderr
+    assert "reads format 2 only" in refused.stderr and "commit 8c1caaa" in refused.stderr
 
-    new = tmp_path / "converted"
-    assert main(["checkpoint", "convert", str(old), "--out", str(new)]) == 0
-    back = read_checkpoint(new)
-    assert back["meta"]["step"] == 2 and back["model"].keys() == state["model"].keys()
-    for name, tensor in state["model"].items():
-        assert torch.equal(back["model"][name], tensor), name
-        for key, value in state["optimizer"][name].items():
-            assert torch.equal(back["optimizer"][name][key], value), (name, key)
-    assert main(["checkpoint", "convert", str(new), "--out", str(tmp_path / "again")]) == 2
-
-    shutil.rmtree(checkpoint_dir(run_dir / "checkpoints", 2))
-    shutil.copytree(new, checkpoint_dir(run_dir / "checkpoints", 2))
+    # The same state written by one process resumes as the trainer's own checkpoint.
+    shutil.rmtree(old)
+    write_checkpoint(run_dir / "checkpoints", 2, state)
     resumed = run(train_cmd(tiny_data, run_dir, *common, "train.resume=auto"))
     assert resumed.returncode == 0, resumed.stderr
     assert {s: v for s, v in losses(run_dir).items() if s > 2} == \

@@ -306,9 +306,9 @@ def test_preempted_job_requeues_and_resumes_to_the_same_result(cluster, tiny_dat
     assert 1 <= resumed_at < STEPS  # stopped mid-run, at a step boundary
 
     assert losses(run_dir) == pytest.approx(reference, abs=1e-6)  # every step, final included
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint
+    from pretrain.checkpoint import latest_checkpoint, read_meta
 
-    meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["meta"]
+    meta = read_meta(latest_checkpoint(run_dir / "checkpoints"))
     assert meta["step"] == STEPS
     from mlflow.tracking import MlflowClient
 

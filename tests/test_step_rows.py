@@ -91,7 +91,7 @@ def test_non_finite_steps_are_judged_in_order_at_the_fetch_point(tiny_data, tmp_
 
 @pytest.mark.timeout(300)
 def test_a_stop_request_is_acted_on_at_the_next_logging_step(tiny_data, tmp_path):
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint
+    from pretrain.checkpoint import latest_checkpoint, read_meta
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(tiny_data, run_dir, "train.steps=100000",
@@ -106,7 +106,7 @@ def test_a_stop_request_is_acted_on_at_the_next_logging_step(tiny_data, tmp_path
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr
-    step = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["meta"]["step"]
+    step = read_meta(latest_checkpoint(run_dir / "checkpoints"))["step"]
     assert step % 4 == 0 and step >= 4, step
     assert [r["step"] for r in rows(run_dir)] == list(range(1, step + 1))
 
