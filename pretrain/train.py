@@ -78,7 +78,7 @@ class Trainer:
         # config, not a mutation.
         model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)
         cfg = dataclasses.replace(cfg, model=model)
-        # parallel.microbatches: auto -> a count that fits the device (parallel/microbatch_fit)
+        # parallel.microbatches: auto -> a count that fits the device (parallel/microbatch_fit.py)
         cfg, microbatch_line = resolve_microbatches(cfg, layout)
         self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
         self.cfg = cfg
