@@ -22,6 +22,7 @@ import torch
 from pretrain import checkpoint
 from pretrain.config import ConfigError
 from pretrain.run_dir import (
+    NOT_FINGERPRINTED,
     agreed_on_rank0,
     fingerprint_mismatch,
     first_intact,
@@ -35,7 +36,7 @@ DWA_KEYS = ("dwa", "dwa_dilation", "dwa_period", "dwa_window")
 def model_mismatch(saved: dict, current: dict) -> list[str]:
     """The model keys on which a checkpoint's model section `saved` cannot start a run of
     model section `current`, as 'model.key: saved in the checkpoint, current now'."""
-    saved, ignored = saved_model_section(saved), set(MAY_DIFFER)
+    saved, ignored = saved_model_section(saved), set(MAY_DIFFER) | set(NOT_FINGERPRINTED)
     if saved.get("dwa") is False and current.get("dwa") is True:
         ignored |= set(DWA_KEYS)  # a Transformer grows DWAs: its own k x p mean nothing
     keep = lambda section: {k: v for k, v in section.items() if k not in ignored}  # noqa: E731

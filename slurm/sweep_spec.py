@@ -220,8 +220,9 @@ class RunContext:
             validate(cfg, world_size=world)
         except ConfigError as err:
             raise SweepError(f"run {run_name}: {err}") from None
-        memory = None  # the largest rank's total; n/a until the vocabulary is known
-        if vocab:
+        memory = None  # the largest rank's total; n/a until the vocabulary is known, and
+        # with parallel.microbatches: auto, which the GPU's free memory decides at start-up
+        if vocab and cfg.parallel.microbatches != "auto":
             gpu = self.slurm["gpus_per_node"] or cfg.train.device == "cuda"
             memory = max(r.total_bytes for r in estimate_memory(
                 cfg, world, "cuda" if gpu else "cpu", model))

@@ -1,6 +1,7 @@
 """The chunked LM-head cross entropy (pretrain/model/loss.py) against F.cross_entropy on the
 full logits: values and gradients at one rank over odd shapes and chunk sizes, under bf16
-autocast, without gradients, and vocabulary- and sequence-parallel at TP = 2 (gloo)."""
+autocast, without gradients, and vocabulary- and sequence-parallel at TP = 2 (gloo); the
+chunk size left out of checkpoint fingerprints."""
 
 import pytest
 import torch
@@ -102,3 +103,20 @@ def test_vocab_parallel_at_two_ranks_equals_one_rank(sequence_parallel):
     else:
         for r in results:
             torch.testing.assert_close(r["dh"], want_dh)
+
+
+def test_the_chunk_size_is_not_part_of_a_checkpoints_fingerprint():
+    """model.loss_chunk_tokens changes how the loss is computed, not the model: a run with
+    another value resumes, or starts from, the same checkpoints."""
+    from pretrain.config import config_to_dict, load_config
+    from pretrain.init_from import model_mismatch
+    from pretrain.run_dir import fingerprint, fingerprint_mismatch
+
+    def model(*overrides):
+        return config_to_dict(load_config(None, list(overrides)))["model"]
+
+    saved, now = model(), model("model.loss_chunk_tokens=512")
+    assert fingerprint_mismatch(fingerprint(saved, "t", 0), fingerprint(now, "t", 0)) == []
+    assert model_mismatch(fingerprint(saved, "t", 0)["model"], now) == []
+    other = model("model.loss_chunk_tokens=512", "model.n_layers=6")
+    assert fingerprint_mismatch(fingerprint(saved, "t", 0), fingerprint(other, "t", 0)) != []
