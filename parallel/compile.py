@@ -7,9 +7,11 @@
   block).
 - `model`: the whole loss (embedding, blocks, DWAs, head, cross entropy) as one graph per
   micro-batch shape. Under the compiler the model takes the functional DWA
-  (`pretrain.model.denseformer.DenseFormer.run_blocks`: stack + tensordot, which the
-  compiler fuses) instead of the eager buffered one, whose custom autograd functions write
-  into preallocated buffers. Not with pipeline stages (the schedule runs each stage).
+  (`pretrain.model.denseformer.DenseFormer.run_blocks`: the custom op
+  `denseformer::dwa_sum` of pretrain/model/dwa_op.py, one graph node per DWA running
+  `model.dwa_impl`'s products, no graph break) instead of the eager buffered one, whose
+  custom autograd functions write into preallocated buffers. Not with pipeline stages (the
+  schedule runs each stage).
 
 Both refuse ZeRO-3 before launch (pretrain/config/validation.py). Tensor-parallel
 collectives (megatron-core's, through torch.distributed) split the graph where they are,

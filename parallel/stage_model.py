@@ -133,7 +133,7 @@ class StageModule(nn.Module):
         blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
         layout = None if torch.compiler.is_compiling() else self.dwa_layout
         out = run_program(program, model.dwa_alpha, x, sums, blocks, layout,
-                          storage_dtype(model.config.dwa_dtype))
+                          storage_dtype(model.config.dwa_dtype), model.config.dwa_impl)
         if program.is_last:
             # (B, S, V / TP), or (S, B, V / TP) under sequence parallelism
             return model.local_logits(out, seq_first=True)

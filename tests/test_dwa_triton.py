@@ -166,3 +166,48 @@ def test_the_impl_is_chosen_in_one_place(monkeypatch):
         resolve("triton", cpu)
     with pytest.raises(ValueError, match="model.dwa_impl must be one of"):
         resolve("cuda", cpu)
+
+
+# -- model.dwa_impl on the model: every path runs the same products ---------------------------
+
+
+def model_grads(impl: str, dwa_dtype: str, checkpointing: str, d=6, k=2, p=1):
+    from parallel.checkpointing import apply_activation_checkpointing
+    from pretrain.model import DenseFormer
+    from tests.test_model import random_alpha, tiny
+
+    model = DenseFormer(tiny(d, k, p, dwa_dtype=dwa_dtype, dwa_impl=impl), seed=0)
+    model.load_dwa_matrix(random_alpha(model, torch.Generator().manual_seed(4)))
+    apply_activation_checkpointing(model, checkpointing, 2)
+    tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(5))
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dwa_dtype,checkpointing",
+                         [("fp32", "none"), ("bf16", "none"), ("fp32", "dwa_block"),
+                          ("bf16", "block")])
+def test_the_model_with_triton_equals_torch(dwa_dtype, checkpointing):
+    (loss, grads), (want_loss, want) = (model_grads(impl, dwa_dtype, checkpointing)
+                                        for impl in ("triton", "torch"))
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_triton_without_triton_names_the_key_and_the_extra(monkeypatch):
+    import importlib.util
+
+    from pretrain.model import ModelConfigError
+    from tests.test_model import tiny
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ModelConfigError, match=r"model.dwa_impl: triton is not installed: "
+                                               r"pip install -e '.\[triton\]'"):
+        tiny(4, dwa_impl="triton")
+    assert tiny(4, dwa_impl="auto").dwa_impl == "auto"
+    with pytest.raises(ModelConfigError, match="model.dwa_impl: must be auto, triton or torch"):
+        tiny(4, dwa_impl="cuda")

@@ -17,8 +17,8 @@ contraction, tested against each other and a naive loop:
   saves (or version-checks) the buffers, so writing later slots is safe; the buffers belong
   to one forward pass, so micro-batches and activation recomputation (which rewrites
   identical values) do not interfere.
-- functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
-  the compiler fuses the stack into the reduction.
+- functional (`depth_weighted_average`): one custom op per DWA over separate tensors
+  (dwa_op.py), used under torch.compile, which keeps the op in its graph.
 
 Storage dtype (`model.dwa_dtype`): the stored X_j, and in backward the DWAs' output-gradient
 rows, may be kept in bf16 while the residual stream is fp32. Sums are always fp32, and the
@@ -38,6 +38,7 @@ import torch
 
 from pretrain.model.dwa_impl import dwa_ops
 from pretrain.model.dwa_layout import BufferLayout
+from pretrain.model.dwa_op import dwa_sum
 from pretrain.model.dwa_pattern import DWAPattern
 
 
@@ -263,42 +264,19 @@ class BufferedDWA:
         return ReadStored.apply(self.buffers, j, handle)
 
 
-class DepthWeightedAverage(torch.autograd.Function):
-    """y = sum_n weights[n] * xs[n] in `dtype` (functional form; saves only references to
-    the inputs, which may be in a narrower storage dtype)."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, dtype: torch.dtype, *xs: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.save_for_backward(weights, *xs)
-        ctx.dtype = dtype
-        with _stream_precision(xs[0]):
-            stacked = torch.stack([x.to(dtype) for x in xs])
-            return torch.tensordot(weights.to(dtype), stacked, dims=1)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        weights, *xs = ctx.saved_tensors
-        grad_y = grad_y.to(ctx.dtype)
-        stacked = torch.stack([x.to(ctx.dtype) for x in xs])
-        grad_weights = stacked.reshape(len(xs), -1) @ grad_y.reshape(-1)
-        # Separate tensors (not views of one outer product) so each is freed once consumed;
-        # autograd rounds the gradient of an input kept in a storage dtype to that dtype.
-        grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(ctx.dtype).unbind()))
-        return (grad_weights.to(weights.dtype), None, *grad_xs)
-
-
 def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
-                           storage_dtype: torch.dtype | None = None, diagonal: bool = False
-                           ) -> torch.Tensor:
+                           storage_dtype: torch.dtype | None = None, diagonal: bool = False,
+                           impl: str = "auto") -> torch.Tensor:
     """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape), in the
-    dtype of the last input. With a `storage_dtype`, each input is first rounded to it, as
-    the buffered DWA stores it, except the last when it is the `diagonal` term X_i."""
+    dtype of the last input, as one `denseformer::dwa_sum` op (dwa_op.py) running `impl`'s
+    products. With a `storage_dtype`, each input is first rounded to it, as the buffered DWA
+    stores it, except the last when it is the `diagonal` term X_i."""
     dtype = xs[-1].dtype
     if storage_dtype is not None and storage_dtype != dtype:
         live = xs[-1:] if diagonal else []
         xs = [x.to(storage_dtype) for x in xs[:len(xs) - len(live)]] + live
-    return DepthWeightedAverage.apply(weights, dtype, *xs)
+    with _stream_precision(xs[-1]):
+        return dwa_sum(xs, weights.to(dtype), impl)
 
 
 # -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------
