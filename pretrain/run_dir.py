@@ -220,9 +220,15 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
                           f"{describe_os_error(err)}") from None
 
 
+# Model keys that say how the model is computed, not what it is: a run may resume with
+# another value (on another device, say).
+NOT_FINGERPRINTED = ("dwa_impl",)
+
+
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:
     """What a checkpoint must agree on with the run that resumes it."""
-    return {"model": dict(model_section), "tokenizer_sha256": tokenizer_sha256, "seed": seed}
+    model = {k: v for k, v in model_section.items() if k not in NOT_FINGERPRINTED}
+    return {"model": model, "tokenizer_sha256": tokenizer_sha256, "seed": seed}
 
 
 def saved_model_section(section: dict) -> dict:
@@ -233,7 +239,7 @@ def saved_model_section(section: dict) -> dict:
     from pretrain.model.config import DenseFormerConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(DenseFormerConfig)
-                if f.default is not dataclasses.MISSING}
+                if f.default is not dataclasses.MISSING and f.name not in NOT_FINGERPRINTED}
     return {**defaults, **section}
 
 

@@ -211,3 +211,20 @@ def test_triton_without_triton_names_the_key_and_the_extra(monkeypatch):
     assert tiny(4, dwa_impl="auto").dwa_impl == "auto"
     with pytest.raises(ModelConfigError, match="model.dwa_impl: must be auto, triton or torch"):
         tiny(4, dwa_impl="cuda")
+
+
+def test_a_run_may_resume_with_another_dwa_impl():
+    from pretrain.init_from import model_mismatch
+    from pretrain.run_dir import fingerprint, fingerprint_mismatch
+
+    import dataclasses
+
+    from tests.test_model import tiny
+
+    saved = dataclasses.asdict(tiny(4, dwa_impl="auto"))
+    now = dataclasses.asdict(tiny(4, dwa_impl="torch"))
+    assert fingerprint_mismatch(fingerprint(saved, "t", 0), fingerprint(now, "t", 0)) == []
+    assert model_mismatch(fingerprint(saved, "t", 0)["model"], now) == []
+    assert fingerprint_mismatch(fingerprint(saved, "t", 0),
+                                fingerprint({**now, "n_layers": 5}, "t", 0)) == [
+        "model.n_layers: 4 in the checkpoint, 5 now"]
