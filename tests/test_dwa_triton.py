@@ -214,11 +214,10 @@ def test_triton_without_triton_names_the_key_and_the_extra(monkeypatch):
 
 
 def test_a_run_may_resume_with_another_dwa_impl():
-    from pretrain.init_from import model_mismatch
-    from pretrain.run_dir import fingerprint, fingerprint_mismatch
-
     import dataclasses
 
+    from pretrain.init_from import model_mismatch
+    from pretrain.run_dir import fingerprint, fingerprint_mismatch
     from tests.test_model import tiny
 
     saved = dataclasses.asdict(tiny(4, dwa_impl="auto"))
