@@ -246,7 +246,7 @@ def test_spent_budget_skips_sections_and_carried_wheels_reach_reset_subprocesses
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     assert {s["status"] for s in doc["sections"].values()} == {"skipped"}
-    assert len(doc["sections"]) == 7 and doc["goals"] == []
+    assert len(doc["sections"]) == 8 and doc["goals"] == []
     assert doc["environment"]["commit"] == "c0ffee1"
     assert doc["environment"]["commit_source"] == "GPU_CHECK_COMMIT"
     carried = doc["carried"]
