@@ -13,13 +13,16 @@ from pretrain.model.dwa_op import dwa_sum
 from tests.test_model import random_alpha, tiny
 
 IMPLS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.gpu
 
 
 def op_inputs(m: int, storage: torch.dtype):
     gen = torch.Generator().manual_seed(m)
-    xs = [torch.randn(3, 5, 7, generator=gen).to(storage).requires_grad_() for _ in range(m)]
-    xs[-1] = torch.randn(3, 5, 7, generator=gen, requires_grad=True)  # the live X_i, fp32
-    return xs, torch.randn(m, generator=gen, requires_grad=True)
+    xs = [torch.randn(3, 5, 7, generator=gen).to(DEVICE, storage).requires_grad_()
+          for _ in range(m)]
+    xs[-1] = torch.randn(3, 5, 7, generator=gen).to(DEVICE).requires_grad_()  # live X_i, fp32
+    return xs, torch.randn(m, generator=gen).to(DEVICE).requires_grad_()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -63,7 +66,9 @@ def test_the_compiled_model_keeps_the_dwa_ops_with_no_graph_break(dwa_dtype, imp
     torch._dynamo.reset()
     model = DenseFormer(tiny(6, 2, 1, dwa_dtype=dwa_dtype, dwa_impl=impl), seed=0)
     model.load_dwa_matrix(random_alpha(model, torch.Generator().manual_seed(4)))
+    model.to(DEVICE)
     tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(5))
+    tokens = tokens.to(DEVICE)
     # the eager reference runs the same ops (the buffered DWA, which rounds its gradient rows
     # to bf16 too, is compared with them in tests/test_dwa_storage.py)
     eager = cross_entropy(model.local_logits(model.run_blocks(

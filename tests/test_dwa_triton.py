@@ -6,6 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu  # on the GPU machine the kernels compile for the device
 
 from pretrain.model import dwa_triton  # noqa: E402
 from pretrain.model.dwa import BufferedDWA, DecodeDWAState  # noqa: E402
@@ -178,8 +179,10 @@ def model_grads(impl: str, dwa_dtype: str, checkpointing: str, d=6, k=2, p=1):
 
     model = DenseFormer(tiny(d, k, p, dwa_dtype=dwa_dtype, dwa_impl=impl), seed=0)
     model.load_dwa_matrix(random_alpha(model, torch.Generator().manual_seed(4)))
+    model.to(DEVICE)
     apply_activation_checkpointing(model, checkpointing, 2)
     tokens = torch.randint(0, 50, (2, 17), generator=torch.Generator().manual_seed(5))
+    tokens = tokens.to(DEVICE)
     loss = model.loss(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     return loss, {name: p.grad for name, p in model.named_parameters()}
