@@ -230,3 +230,30 @@ def test_a_run_may_resume_with_another_dwa_impl():
     assert fingerprint_mismatch(fingerprint(saved, "t", 0),
                                 fingerprint({**now, "n_layers": 5}, "t", 0)) == [
         "model.n_layers: 4 in the checkpoint, 5 now"]
+
+
+def test_a_kernel_failing_on_its_first_gpu_run_falls_back_to_torch_once(caplog):
+    from pretrain.model.dwa_impl import _FallbackOnce
+
+    class Failing:  # stands in for a kernel that does not compile on the device
+        def weighted_list(self, xs, weights):
+            raise RuntimeError("ptxas fatal: unsupported\nsecond line")
+
+    xs, weights = [torch.randn(4, 3) for _ in range(3)], torch.randn(3)
+    want = TorchOps().weighted_list(xs, weights)
+    ops = _FallbackOnce()
+    ops.triton = Failing()
+    with pytest.raises(RuntimeError, match="ptxas"):  # not on a GPU: raised
+        ops._call("weighted_list", torch.device("cpu"), xs, weights)
+    with caplog.at_level("WARNING", logger="pretrain.model.dwa_impl"):
+        for _ in range(2):
+            assert torch.equal(ops._call("weighted_list", torch.device("cuda"), xs, weights),
+                               want)
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.dwa_impl: the Triton DWA kernel weighted_list failed on cuda (RuntimeError: "
+        "ptxas fatal: unsupported); using torch"]
+    proven = _FallbackOnce()  # a kernel that has run once fails later: raised, no fallback
+    proven.proven.add("weighted_list")
+    proven.triton = Failing()
+    with pytest.raises(RuntimeError, match="ptxas"):
+        proven._call("weighted_list", torch.device("cuda"), xs, weights)
