@@ -121,15 +121,16 @@ def weighted_sum(terms: Sequence[torch.Tensor], weights: torch.Tensor,
     live, base, other = (None if t is None else _flat(t) for t in (live, base, dot_with))
     for start in range(0, max(m, 1), GROUP):
         chunk = terms[start:start + GROUP]
-        first = start == 0
-        chunk_base = base if first else out  # later launches add to the sum so far
+        with_live = start == 0 and live is not None
+        chunk_base = base if start == 0 else out  # later launches add to the sum so far
+        # (a pointer the kernel does not read is passed as `out`)
         _weighted_sum[(n_programs,)](
-            _padded(chunk or [live]), len(chunk), weights[start:], live if first and
-            live is not None else out, weights[m:] if live is not None else weights,
-            out if chunk_base is None else chunk_base, out if other is None else other, out,
-            out if partial is None else partial[start:], n, n_programs,
-            HAS_LIVE=first and live is not None, HAS_BASE=chunk_base is not None,
-            HAS_DOT=other is not None, BLOCK=BLOCK)
+            _padded(chunk or [live]), len(chunk), weights[start:],
+            live if with_live else out, weights[m:] if with_live else weights,
+            out if chunk_base is None else chunk_base, out if other is None else other,
+            out, out if partial is None else partial[start:], n, n_programs,
+            HAS_LIVE=with_live, HAS_BASE=chunk_base is not None, HAS_DOT=other is not None,
+            BLOCK=BLOCK)
     dots = None if partial is None else _row_sums(partial[:m], weights.dtype)
     return out, dots
 
