@@ -1,6 +1,7 @@
 """The DWA custom ops (pretrain/model/dwa_op.py): registered correctly (torch.library's
 opcheck: schema, fake and autograd implementations, traced by AOTAutograd) with each
-implementation, and a compiled DenseFormer loss that keeps them with no graph break."""
+implementation, and a compiled DenseFormer loss that keeps the DWAs (as the op where the
+Triton kernels run, traced torch products elsewhere) with no graph break."""
 
 import importlib.util
 
@@ -81,8 +82,9 @@ def test_the_compiled_model_keeps_the_dwa_ops_with_no_graph_break(dwa_dtype, imp
     loss = compiled(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     assert counter.graphs == 1
-    assert counter.ops.count(torch.ops.denseformer.dwa_sum.default) == len(
-        model.dwa_pattern.inputs)
+    # the op where the kernels run; torch's products traced into the graph elsewhere
+    ops = len(model.dwa_pattern.inputs) if impl == "triton" else 0
+    assert counter.ops.count(torch.ops.denseformer.dwa_sum.default) == ops
     torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -17,8 +17,9 @@ contraction, tested against each other and a naive loop:
   saves (or version-checks) the buffers, so writing later slots is safe; the buffers belong
   to one forward pass, so micro-batches and activation recomputation (which rewrites
   identical values) do not interfere.
-- functional (`depth_weighted_average`): one custom op per DWA over separate tensors
-  (dwa_op.py), used under torch.compile, which keeps the op in its graph.
+- functional (`depth_weighted_average`): one sum per DWA over separate tensors (dwa_op.py:
+  a custom op for the Triton kernels), used under torch.compile, which keeps it in its
+  graph.
 
 Storage dtype (`model.dwa_dtype`): the stored X_j, and in backward the DWAs' output-gradient
 rows, may be kept in bf16 while the residual stream is fp32. Sums are always fp32, and the
@@ -38,7 +39,7 @@ import torch
 
 from pretrain.model.dwa_impl import dwa_ops
 from pretrain.model.dwa_layout import BufferLayout
-from pretrain.model.dwa_op import dwa_sum
+from pretrain.model.dwa_op import functional_dwa
 from pretrain.model.dwa_pattern import DWAPattern
 
 
@@ -268,15 +269,16 @@ def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
                            storage_dtype: torch.dtype | None = None, diagonal: bool = False,
                            impl: str = "auto") -> torch.Tensor:
     """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape), in the
-    dtype of the last input, as one `denseformer::dwa_sum` op (dwa_op.py) running `impl`'s
-    products. With a `storage_dtype`, each input is first rounded to it, as the buffered DWA
-    stores it, except the last when it is the `diagonal` term X_i."""
+    dtype of the last input, running `impl`'s products (dwa_op.py: the custom op
+    `denseformer::dwa_sum` for the Triton kernels). With a `storage_dtype`, each input is
+    first rounded to it, as the buffered DWA stores it, except the last when it is the
+    `diagonal` term X_i."""
     dtype = xs[-1].dtype
     if storage_dtype is not None and storage_dtype != dtype:
         live = xs[-1:] if diagonal else []
         xs = [x.to(storage_dtype) for x in xs[:len(xs) - len(live)]] + live
     with _stream_precision(xs[-1]):
-        return dwa_sum(xs, weights.to(dtype), impl)
+        return functional_dwa(xs, weights.to(dtype), impl)
 
 
 # -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------

@@ -1,16 +1,19 @@
-"""The DWA over separate tensors as custom ops, so that a compiled graph keeps it whole.
+"""The DWA over separate tensors (the functional form), as the compiler should see it.
 
     denseformer::dwa_sum(xs, w, impl)                 y = sum_n w_n xs_n, in w's dtype
     denseformer::dwa_sum_backward(xs, w, dy, impl)    [w_n dy for each n] + [<xs_n, dy>]
 
 `train.compile: model` traces the whole loss; the buffered DWA's autograd functions write into
 preallocated buffers, which the compiler cannot trace, so under the compiler each DWA is one
-`dwa_sum` call (pretrain/model/dwa.py `depth_weighted_average`). An op is opaque to the
-compiler: dynamo puts it in the graph as one node, with no graph break, and it runs the
-products of `impl` (`model.dwa_impl`, resolved in pretrain/model/dwa_impl.py for the inputs'
-device): on a GPU one Triton kernel reads each X_j once, forward and backward. The fake
-implementations give the shapes and dtypes the compiler plans with; `register_autograd`
-makes the backward a second op, so the compiled backward graph has no break either.
+`functional_dwa` call (pretrain/model/dwa.py `depth_weighted_average`). Where
+`model.dwa_impl` runs the Triton kernels, that is the custom op `dwa_sum`: opaque to the
+compiler, one graph node with no graph break, running one kernel that reads each X_j once,
+forward and backward. The fake implementations give the shapes and dtypes the compiler
+plans with; `register_autograd` makes the backward a second op, so the compiled backward
+graph has no break either. Where it runs torch, the same torch products as an autograd
+function that the compiler traces into its own code (inductor fuses them with what is
+around): on the CPU that measured 6-10% faster per compiled step than the opaque op
+(docs/benchmarks.md#compilation).
 
 Bytes: forward reads the |S_i| inputs and writes y (the pairwise floor's count for a DWA);
 backward reads dy and the inputs and writes one gradient per input, which autograd then
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.model.dwa_impl import dwa_ops
+from pretrain.model.dwa_impl import TorchOps, dwa_ops, resolve
 
 
 def _no_autocast(device: torch.device):
@@ -72,3 +75,34 @@ def _backward(ctx, grad):
 
 
 dwa_sum.register_autograd(_backward, setup_context=_setup_context)
+
+
+_TORCH = TorchOps()
+
+
+class _TracedSum(torch.autograd.Function):
+    """`dwa_sum` with torch's products, for the compiler to trace through."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights, *xs)
+        return _TORCH.weighted_list(list(xs), weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weights, *xs = ctx.saved_tensors
+        grad_xs, grad_weights = _TORCH.weighted_list_grads(xs, weights, grad)
+        return (grad_weights, *grad_xs)
+
+
+@torch.compiler.assume_constant_result
+def _runs_triton(impl: str, device: torch.device) -> bool:
+    return resolve(impl, device) == "triton"
+
+
+def functional_dwa(xs: list[torch.Tensor], weights: torch.Tensor, impl: str) -> torch.Tensor:
+    """sum_n weights[n] xs[n] in weights' dtype: the `dwa_sum` op where `impl` runs the
+    Triton kernels on this device, else torch's products traced by the compiler."""
+    if _runs_triton(impl, weights.device):
+        return dwa_sum(xs, weights, impl)
+    return _TracedSum.apply(weights, *xs)
