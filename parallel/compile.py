@@ -7,9 +7,9 @@
   block).
 - `model`: the whole loss (embedding, blocks, DWAs, head, cross entropy) as one graph per
   micro-batch shape. Under the compiler the model takes the functional DWA
-  (`pretrain.model.denseformer.DenseFormer.run_blocks`: the custom op
-  `denseformer::dwa_sum` of pretrain/model/dwa_op.py, one graph node per DWA running
-  `model.dwa_impl`'s products, no graph break) instead of the eager buffered one, whose
+  (`pretrain.model.denseformer.DenseFormer.run_blocks`, pretrain/model/dwa_op.py: with the
+  Triton kernels the custom op `denseformer::dwa_sum`, one graph node per DWA; with torch
+  its products traced; no graph break either way) instead of the eager buffered one, whose
   custom autograd functions write into preallocated buffers. Not with pipeline stages (the
   schedule runs each stage).
 

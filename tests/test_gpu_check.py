@@ -125,7 +125,8 @@ def assert_dwa_compiled(section: dict) -> None:
         if not name.startswith("transformer"):
             assert r["dwa_impl"] == "torch" and r["compile"] == name.split("/")[-1]
             assert_interval(r["vs_transformer"])
-    assert [g["row"] for g in section["goals"]] == [f"{r}/{m}" for r, m in COMPILED_ROWS]
+    assert [g["row"] for g in section["goals"]] == [f"{r}/{m}" for r, m in COMPILED_ROWS
+                                                    if not r.endswith("/torch")]
     assert all(g["met"] is None for g in section["goals"])
 
 
