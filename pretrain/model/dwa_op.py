@@ -12,7 +12,7 @@ forward and backward. The fake implementations give the shapes and dtypes the co
 plans with; `register_autograd` makes the backward a second op, so the compiled backward
 graph has no break either. Where it runs torch, the same torch products as an autograd
 function that the compiler traces into its own code (inductor fuses them with what is
-around): on the CPU that measured up to 9-12% faster per compiled step than the opaque op
+around): on the CPU that measured 9-12% faster per compiled 1x1 step than the opaque op
 (docs/benchmarks.md#compilation).
 
 Bytes: forward reads the |S_i| inputs and writes y (the pairwise floor's count for a DWA);
