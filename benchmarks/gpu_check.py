@@ -1,16 +1,20 @@
 """The GPU check: one call on a borrowed GPU measures what the CPU box cannot.
 
-    python benchmarks/gpu_check.py --out OUT [--cpu] [--only dwa,transformer,memory,tests]
-                                   [--official PATH] [--budget-s S]
+    python benchmarks/gpu_check.py --out OUT [--cpu] [--official PATH] [--budget-s S]
+                                   [--only dwa,dwa_compiled,transformer,memory,tests]
 
 (`scripts/gpu_check.sh OUT [options]` makes the carried wheels importable first and runs
-this.) Four parts, each sized to run in under 4 minutes on an H200, compile included; `--only`
+this.) Five parts, each sized to run in under 4 minutes on an H200, compile included; `--only`
 picks some (a comma list), in this order:
 
 - dwa (gpu_check_dwa.py): sections dwa_steps (our DenseFormer 1x1, 4x1, 4x5 with
   `model.dwa_dtype` fp32 and bf16 against our Transformer; the official DWA, or the
   clean-room ReferenceDWA, inside the nanoGPT-style anchor) and dwa_alone (the DWAs against
-  their byte floor at the measured copy bandwidth);
+  their byte floor at the measured copy bandwidth); each row records its `model.dwa_impl`,
+  with the torch implementation beside the default at 1x1 and 4x5;
+- dwa_compiled (gpu_check_dwa.py): the Transformer and DenseFormer 1x1 and 4x5 compiled
+  (`train.compile` blocks, and model for 1x1 bf16), each against the Transformer compiled
+  the same way;
 - transformer (gpu_check_transformer.py, gpu_check_perf.py): sections transformer (the
   scoreboard: ours against `anchor-rope` and the learned-position anchor, eager and
   compiled, at micro-batches 32 x 256, 128 x 256 and 32 x 1024: tokens/s, MFU against the
@@ -55,8 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # on the GPU machine the repository is not pip-installed
     sys.path.insert(0, str(ROOT))
 
-PARTS = {"dwa": ("dwa_steps", "dwa_alone"), "transformer": ("transformer", "profile", "compile"),
-         "memory": ("memory",), "tests": ("tests",)}
+PARTS = {"dwa": ("dwa_steps", "dwa_alone"), "dwa_compiled": ("dwa_compiled",),
+         "transformer": ("transformer", "profile", "compile"), "memory": ("memory",),
+         "tests": ("tests",)}
 # Top-level modules the bare GPU machine has (its packages and what they pull in), those
 # scripts/gpu_wheels.sh brings, and those only tried behind a guard, imported where they are
 # installed and skipped where not (megatron: einops; torch: dill, and colorama in inductor;
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # before torch is imported: a usage error answers at once
     import gpu_check_perf as perf
     import torch
-    from gpu_check_dwa import section_dwa_alone, section_dwa_steps
+    from gpu_check_dwa import section_dwa_alone, section_dwa_compiled, section_dwa_steps
     from gpu_check_tests import section_tests
     from gpu_check_transformer import section_profile, section_transformer
 
@@ -281,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     work = {"dwa_steps": lambda: section_dwa_steps(device, shapes, fused, args.official_cls,
                                                    keep),
             "dwa_alone": lambda: section_dwa_alone(device, shapes, args.official_cls, keep),
+            "dwa_compiled": lambda: section_dwa_compiled(device, shapes, fused),
             "transformer": lambda: section_transformer(device, shapes, fused),
             "profile": lambda: section_profile(device, shapes, fused, args.out),
             "compile": lambda: perf.section_compile(device, shapes, fused),

@@ -97,8 +97,9 @@ class _UnitRunner:
         self.plan = plan = model.dwa_pattern  # pretrain/model/dwa_pattern.py
         self.lead_dwa = lead_dwa
         self.storage = storage_dtype(model.config.dwa_dtype)
+        self.impl = model.config.dwa_impl
         self.buffered = None if functional or not plan.slot else BufferedDWA(
-            plan.layout, model.dwa_alpha, x0, self.storage)
+            plan.layout, model.dwa_alpha, x0, self.storage, self.impl)
         # j -> autograd handle of an X_j that a later DWA reads: after(X_j) when buffered
         # (X_j itself is in the buffer), else the tensor X_j.
         self.handles: dict[int, torch.Tensor] = {}
@@ -122,7 +123,7 @@ class _UnitRunner:
         deps = [handles[j] for j in self.plan.inputs[i]]
         if self.buffered is None:  # the handles are the X_j themselves
             return depth_weighted_average(alpha[self.plan.layout.weights_index[i]], deps,
-                                          self.storage, diagonal=True)
+                                          self.storage, diagonal=True, impl=self.impl)
         return self.buffered.combine(i, deps, live)
 
     def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,11 @@
   block).
 - `model`: the whole loss (embedding, blocks, DWAs, head, cross entropy) as one graph per
   micro-batch shape. Under the compiler the model takes the functional DWA
-  (`pretrain.model.denseformer.DenseFormer.run_blocks`: stack + tensordot, which the
-  compiler fuses) instead of the eager buffered one, whose custom autograd functions write
-  into preallocated buffers. Not with pipeline stages (the schedule runs each stage).
+  (`pretrain.model.denseformer.DenseFormer.run_blocks`, pretrain/model/dwa_op.py: with the
+  Triton kernels the custom op `denseformer::dwa_sum`, one graph node per DWA; with torch
+  its products traced; no graph break either way) instead of the eager buffered one, whose
+  custom autograd functions write into preallocated buffers. Not with pipeline stages (the
+  schedule runs each stage).
 
 Both refuse ZeRO-3 before launch (pretrain/config/validation.py). Tensor-parallel
 collectives (megatron-core's, through torch.distributed) split the graph where they are,

@@ -135,7 +135,7 @@ class StageModule(nn.Module):
         blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
         layout = None if torch.compiler.is_compiling() else self.dwa_layout
         out = run_program(program, model.dwa_alpha, x, sums, blocks, layout,
-                          storage_dtype(model.config.dwa_dtype))
+                          storage_dtype(model.config.dwa_dtype), model.config.dwa_impl)
         if program.is_last:  # (B, S, H), or (S / TP, B, H) under sequence parallelism
             # The weight as a view: the schedule detaches the last stage's outputs in place
             # after their backward, which would take the parameter itself out of autograd.

@@ -240,19 +240,21 @@ def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
 
 
 def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
-                layout=None, storage_dtype=None):
+                layout=None, storage_dtype=None, impl: str = "auto"):
     """Execute a StageProgram on tensors. `x` maps j to X_j (received, or X_0 on the first
     stage), `sums` maps c to a received partial sum; `blocks[i]` is block i's callable;
     `alpha` is the full (d, d + 1) matrix. With `layout` (`buffer_layout` of
     `program.dwa_reads()`) the DWAs run buffered, as in the single-process model, else
-    functional (stack + tensordot). `storage_dtype`: the DWAs' (`model.dwa_dtype`; None: the
-    stream's). Returns the outgoing tensors (a tuple), or Y_d on the last stage."""
+    functional (one custom op per DWA, pretrain/model/dwa_op.py). `storage_dtype`: the
+    DWAs' (`model.dwa_dtype`; None: the stream's); `impl`: whose products
+    (`model.dwa_impl`, as in the whole model). Returns the outgoing tensors (a tuple), or
+    Y_d on the last stage."""
     from pretrain.model.dwa import BufferedDWA, depth_weighted_average
 
     buffered = None
     if layout is not None and layout.slot:
         like = next(iter((*x.values(), *sums.values())))
-        buffered = BufferedDWA(layout, alpha, like, storage_dtype)
+        buffered = BufferedDWA(layout, alpha, like, storage_dtype, impl)
         for j in list(x):
             x[j] = buffered.store(j, x[j])
 
@@ -265,7 +267,7 @@ def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
         elif src.terms:
             total = depth_weighted_average(alpha[src.index - 1, list(src.terms)],
                                            [x[j] for j in src.terms], storage_dtype,
-                                           diagonal=src.terms[-1] == src.index)
+                                           diagonal=src.terms[-1] == src.index, impl=impl)
         if src.base:
             total = sums[src.index] if total is None else sums[src.index] + total
         return total

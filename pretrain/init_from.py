@@ -29,7 +29,7 @@ from pretrain.run_dir import (
     saved_model_section,
 )
 
-MAY_DIFFER = ("seq_len", "rope_base", "dropout", "init_std", "dwa_init_offdiag")
+MAY_DIFFER = ("seq_len", "rope_base", "dropout", "init_std", "dwa_init_offdiag", "dwa_impl")
 DWA_KEYS = ("dwa", "dwa_dilation", "dwa_period", "dwa_window")
 
 

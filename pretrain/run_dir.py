@@ -220,9 +220,9 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
                           f"{describe_os_error(err)}") from None
 
 
-# Model keys that say how a step is computed, not what the model is: a run may resume or
-# start from a checkpoint written with another value.
-NOT_FINGERPRINTED = ("loss_chunk_tokens",)
+# Model keys that say how the model or its step is computed, not what the model is: a run
+# may resume or start from a checkpoint written with another value (on another device, say).
+NOT_FINGERPRINTED = ("loss_chunk_tokens", "dwa_impl")
 
 
 def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int) -> dict:

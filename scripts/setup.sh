@@ -22,5 +22,5 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 # DS_BUILD_OPS=0: DeepSpeed builds its ops lazily (JIT) instead of at install time.
 # eval: lm-evaluation-harness, which python -m pretrain lm-eval and its tests need.
-DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install --quiet -e ".[dev,eval,hf]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install --quiet -e ".[dev,eval,hf,triton]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 echo "$want" > "$stamp"

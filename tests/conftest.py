@@ -4,6 +4,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton DWA kernels run in Triton's interpreter, which triton reads when a
+# kernel is defined: before any project module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The fast tier: `fast` marks, and the guard that fails a fast test that starts a process.
 from tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pytest_runtest_setup  # noqa: F401,E501

@@ -22,7 +22,7 @@ import torch
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_check_dwa import PATTERNS, STEP_GOALS, our_rows  # noqa: E402
+from gpu_check_dwa import COMPILED_ROWS, PATTERNS, STEP_GOALS, our_rows  # noqa: E402
 from gpu_check_timing import interleaved, median_ci, median_interval_ranks, verdict  # noqa: E402
 
 from pretrain.model import DenseFormerConfig  # noqa: E402
@@ -76,6 +76,7 @@ def assert_dwa_part(sections: dict, other: str) -> None:
     assert steps["other_dwa"] == alone["other_dwa"] == other
     rows = steps["rows"]
     ran = [f"dense-{p}/{s}" for p in ("1x1", "4x1", "4x5") for s in ("fp32", "bf16")]
+    ran += [f"dense-{p}/{s}/torch" for p in ("1x1", "4x5") for s in ("fp32", "bf16")]
     assert set(rows) == {"transformer", "anchor", *ran,
                          *(f"{other}-{p}" for p in ("1x1", "4x1", "4x5"))}
     tokens = steps["batch"] * 32
@@ -86,6 +87,7 @@ def assert_dwa_part(sections: dict, other: str) -> None:
         assert r["mfu"] == pytest.approx(r["model_tflops"] * 1e12 / steps["peak"]["flops"])
     for name in ran:
         assert rows[name]["dwa_dtype"] == name.split("/")[1]
+        assert rows[name]["dwa_impl"] == "torch"  # the CPU's, for auto too
         assert_interval(rows[name]["vs_transformer"])
         assert_interval(rows[name][f"added_time_vs_{other}"])
         assert rows[name]["last_loss"] < 7  # ln(512) = 6.24 at init: a finite, sane loss
@@ -108,6 +110,24 @@ def assert_dwa_part(sections: dict, other: str) -> None:
                                               * 1e3)
         assert_interval(r["vs_floor"])
         assert r["vs_floor"]["median"] == pytest.approx(r["added_ms"]["median"] / r["floor_ms"])
+    assert [g["row"] for g in alone["goals"]] == [n for n in ran if not n.endswith("/torch")]
+    assert all(g["goal"] == "<= 1.3" and g["met"] is None for g in alone["goals"])
+
+
+def assert_dwa_compiled(section: dict) -> None:
+    """The compiled rows, each against the Transformer compiled the same way."""
+    assert section["part"] == "dwa_compiled" and section["backend"] == "aot_eager"
+    rows = section["rows"]
+    assert set(rows) == {"transformer/blocks", "transformer/model",
+                         *(f"{r}/{m}" for r, m in COMPILED_ROWS)}
+    for name, r in rows.items():
+        assert r["steps"] == 6 and r["first_step_s_with_compile"] > 0, name
+        if not name.startswith("transformer"):
+            assert r["dwa_impl"] == "torch" and r["compile"] == name.split("/")[-1]
+            assert_interval(r["vs_transformer"])
+    assert [g["row"] for g in section["goals"]] == [f"{r}/{m}" for r, m in COMPILED_ROWS
+                                                    if not r.endswith("/torch")]
+    assert all(g["met"] is None for g in section["goals"])
 
 
 @pytest.fixture
@@ -123,14 +143,18 @@ def fake_official(tmp_path) -> Path:
 @pytest.mark.timeout(300)
 def test_cpu_dwa_part_with_an_official_checkout(tmp_path, bare_env, fake_official):
     out = tmp_path / "out"
-    done = check(out, bare_env, "--cpu", "--only", "dwa", "--official", str(fake_official))
+    done = check(out, bare_env, "--cpu", "--only", "dwa,dwa_compiled", "--official",
+                 str(fake_official))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
-    assert doc["parts"] == ["dwa"] and set(doc["sections"]) == {"dwa_steps", "dwa_alone"}
+    assert doc["parts"] == ["dwa", "dwa_compiled"]
+    assert set(doc["sections"]) == {"dwa_steps", "dwa_alone", "dwa_compiled"}
     assert doc["environment"]["official"] == str(fake_official)
     assert_dwa_part(doc["sections"], "official")
-    assert doc["goals"] == [{"section": "dwa_steps", **g}
-                            for g in doc["sections"]["dwa_steps"]["goals"]]
+    assert_dwa_compiled(doc["sections"]["dwa_compiled"])
+    assert doc["goals"] == [{"section": name, **g}
+                            for name in ("dwa_steps", "dwa_alone", "dwa_compiled")
+                            for g in doc["sections"][name]["goals"]]
 
 
 @pytest.mark.slow  # ~2 min: every part; the quick tests above and below cover the rest
@@ -146,6 +170,7 @@ def test_cpu_check_writes_every_section_with_plausible_figures(tmp_path, bare_en
     sections = doc["sections"]
     assert {k: (s["part"], s["status"]) for k, s in sections.items()} == {
         "dwa_steps": ("dwa", "ok"), "dwa_alone": ("dwa", "ok"),
+        "dwa_compiled": ("dwa_compiled", "ok"),
         "transformer": ("transformer", "ok"), "profile": ("transformer", "ok"),
         "compile": ("transformer", "ok"), "memory": ("memory", "ok"),
         "tests": ("tests", "ok")}, json.dumps(sections)[:3000]
@@ -223,7 +248,7 @@ def test_spent_budget_skips_sections_and_carried_wheels_reach_reset_subprocesses
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "gpu_check.json").read_text())
     assert {s["status"] for s in doc["sections"].values()} == {"skipped"}
-    assert len(doc["sections"]) == 7 and doc["goals"] == []
+    assert len(doc["sections"]) == 8 and doc["goals"] == []
     assert doc["environment"]["commit"] == "c0ffee1"
     assert doc["environment"]["commit_source"] == "GPU_CHECK_COMMIT"
     carried = doc["carried"]
@@ -299,7 +324,11 @@ def test_rounds_interleave_every_configuration_in_a_rotated_order():
 
 def test_dwa_rows_cover_every_pattern_at_both_storage_dtypes():
     rows = our_rows()
-    assert rows["dense-4x5/bf16"] == ("dense-4x5", "4x5", "bf16") and len(rows) == 6
+    assert rows["dense-4x5/bf16"] == ("dense-4x5", "4x5", "bf16", "auto") and len(rows) == 6
+    with_torch = our_rows(with_torch=True)
+    assert with_torch["dense-1x1/fp32/torch"] == ("dense-1x1", "1x1", "fp32", "torch")
+    assert len(with_torch) == 10
+
 
 
 # The transformer part's scoreboard (gpu_check_transformer.py), in this process at a tiny shape.

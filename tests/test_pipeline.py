@@ -35,8 +35,11 @@ MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
                              n_kv_heads=2, tie_embeddings=False),
     # bf16 DWA storage: stages round the X_j they store (received or made) as one process.
     "dense-2x1-bf16": dict(n_layers=6, dwa_dilation=2, dwa_period=1, dwa_dtype="bf16"),
+    # The Triton DWA kernels (model.dwa_impl; Triton's interpreter without a GPU): stages
+    # and their partial DWAs run the same products as the model.
+    "dense-4x5-triton": dict(n_layers=10, dwa_dilation=4, dwa_period=5, dwa_impl="triton"),
 }
-LLAMA_KEYS = ("block", "n_kv_heads", "tie_embeddings", "dwa_dtype")  # passed through
+LLAMA_KEYS = ("block", "n_kv_heads", "tie_embeddings", "dwa_dtype", "dwa_impl")  # as given
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +358,7 @@ LAYOUTS = {  # name -> (world, tp, pp, dp, virtual stages, split)
     "tp2-pp2": (4, 2, 2, 1, 1, None),
     "pp2-dp2": (4, 1, 2, 2, 1, None),
 }
-ALL = list(MODELS)
+ALL = [name for name in MODELS if name != "dense-4x5-triton"]  # triton: in tp2-pp2 below
 CKPT = {"checkpointing": True}
 # Default suite: every model and both modes across the layouts, micro-batch counts from 1 to
 # 8, and activation checkpointing (and sequence parallelism) inside stages; the exhaustive
@@ -369,7 +372,7 @@ DEFAULT_CASES = {
             (["dense-4x1"], ["raw"], [8], {})],
     "tp2-pp2": [(["dense-1x1", "transformer"], ["optimal"], [2], {}),
                 (["odd-3x2"], ["raw"], [2], CKPT),
-                (["dense-4x5", "llama-1x1-untied"], ["optimal"], [2],
+                (["dense-4x5", "llama-1x1-untied", "dense-4x5-triton"], ["optimal"], [2],
                  {**CKPT, "sequence_parallel": True})],
     "pp2-dp2": [(["dense-1x1", "odd-3x2"], ["optimal"], [2], {}),
                 (["dense-4x5"], ["raw"], [3], {})],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import types
 import typing
@@ -112,6 +113,9 @@ class DenseFormerConfig:
     # gradients) in: fp32 is the residual stream's own (the paper's numerics); bf16 halves
     # those bytes. Sums are fp32 either way (pretrain/model/dwa.py).
     dwa_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Who computes the DWAs (pretrain/model/dwa_impl.py): auto is the Triton kernels on a
+    # CUDA device and torch elsewhere; triton needs the `triton` extra.
+    dwa_impl: Literal["auto", "triton", "torch"] = "auto"
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
     mlp_ratio: int = ranged(4, ge=1)
@@ -158,6 +162,12 @@ class DenseFormerConfig:
             raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false")
         if self.dwa_dtype not in ("fp32", "bf16"):
             raise ModelConfigError("dwa_dtype", f"must be fp32 or bf16, got {self.dwa_dtype!r}")
+        if self.dwa_impl not in ("auto", "triton", "torch"):
+            raise ModelConfigError("dwa_impl",
+                                   f"must be auto, triton or torch, got {self.dwa_impl!r}")
+        if self.dwa_impl == "triton" and importlib.util.find_spec("triton") is None:
+            raise ModelConfigError("dwa_impl", "triton is not installed: pip install -e "
+                                               "'.[triton]' (or set model.dwa_impl=auto)")
         if self.block not in ("gpt", "llama"):
             raise ModelConfigError("block", f"must be gpt or llama, got {self.block!r}")
         if self.n_heads % self.kv_heads:

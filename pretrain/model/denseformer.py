@@ -113,15 +113,15 @@ class DenseFormer(nn.Module):
     def run_blocks(self, x0: torch.Tensor, functional: bool | None = None) -> torch.Tensor:
         """Y_d from X_0: every block, each followed by its DWA (if any).
 
-        `functional` picks the stack + tensordot DWA (default under torch.compile) instead of
-        the buffered one (default in eager mode); both compute the same function."""
+        `functional` picks the DWA as one custom op per DWA (default under torch.compile)
+        instead of the buffered one (default in eager mode); both compute the same function."""
         if functional is None:
             functional = torch.compiler.is_compiling()
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing.run_blocks(self, x0, functional)
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         buffered = None if functional or not pattern.slot else BufferedDWA(
-            pattern.layout, self.dwa_alpha, x0, storage)
+            pattern.layout, self.dwa_alpha, x0, storage, self.config.dwa_impl)
         kept = {}  # j -> X_j, for the X_j that a later DWA reads
 
         def keep(j: int, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,8 @@ class DenseFormer(nn.Module):
                 y = x
             elif buffered is None:
                 y = depth_weighted_average(self.dwa_alpha[pattern.layout.weights_index[i]],
-                                           [kept[j] for j in js], storage, diagonal=True)
+                                           [kept[j] for j in js], storage, diagonal=True,
+                                           impl=self.config.dwa_impl)
             else:
                 y = buffered.combine(i, [kept[j] for j in js], live=x)
         return y
@@ -209,7 +210,7 @@ class DenseFormer(nn.Module):
         else:
             if cache.dwa_decode is None:
                 cache.dwa_decode = DecodeDWAState(pattern, dict(self._dwa_weights()), x0,
-                                                  storage)
+                                                  storage, self.config.dwa_impl)
             dwa = cache.dwa_decode
         dwa.keep(0, x0)
         y = x0

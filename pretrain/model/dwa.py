@@ -12,12 +12,14 @@ contraction, tested against each other and a naive loop:
   sum_i alpha[i, j] dY_i and the alpha gradients <dY_i, X_j> on column j come from one pass
   over the rows of the DWAs that read it (`stored_output_grads`). So backward reads each
   (i, j) pair once, as forward does (docs/design.md#bytes-moved-by-the-dwas); the products
-  themselves, and the device-dependent way they run, are in dwa_products.py. Autograd never
+  themselves are those of `model.dwa_impl` (dwa_impl.py: Triton kernels or torch, chosen once
+  per pass and kept in the buffers, so that every path runs the same ones). Autograd never
   saves (or version-checks) the buffers, so writing later slots is safe; the buffers belong
   to one forward pass, so micro-batches and activation recomputation (which rewrites
   identical values) do not interfere.
-- functional (`depth_weighted_average`): stack + tensordot, used under torch.compile, where
-  the compiler fuses the stack into the reduction.
+- functional (`depth_weighted_average`): one sum per DWA over separate tensors (dwa_op.py:
+  a custom op for the Triton kernels), used under torch.compile, which keeps it in its
+  graph.
 
 Storage dtype (`model.dwa_dtype`): the stored X_j, and in backward the DWAs' output-gradient
 rows, may be kept in bf16 while the residual stream is fp32. Sums are always fp32, and the
@@ -35,9 +37,10 @@ from collections.abc import Mapping
 
 import torch
 
+from pretrain.model.dwa_impl import dwa_ops
 from pretrain.model.dwa_layout import BufferLayout
+from pretrain.model.dwa_op import functional_dwa
 from pretrain.model.dwa_pattern import DWAPattern
-from pretrain.model.dwa_products import stored_output_grads, weighted_rows
 
 
 def storage_dtype(dwa_dtype: str) -> torch.dtype | None:
@@ -82,11 +85,12 @@ _POOL = _BufferPool()
 
 class DWABuffers:
     """One forward pass's stored X_j (per class, contiguous) and, in backward, the DWAs'
-    output gradients (per class, one row per DWA)."""
+    output gradients (per class, one row per DWA); `ops` compute on them (dwa_impl.py)."""
 
     def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor,
-                 storage_dtype: torch.dtype | None = None):
+                 storage_dtype: torch.dtype | None = None, impl: str = "auto"):
         self.layout = layout
+        self.ops = dwa_ops(impl, like.device)
         # alpha as this forward pass applies it (one small copy, in the stream's dtype).
         self.alpha = alpha.detach().to(like.dtype, copy=True)
         self.values = {r: _POOL.take((n, *like.shape), like, storage_dtype)
@@ -163,7 +167,8 @@ class StoreOutput(torch.autograd.Function):
         x = buffers.values[r][position]
         weights = buffers.column_weights(j)
         flat = None if grad is None else grad.reshape(-1).to(weights.dtype)
-        grad_x, grad_weights = stored_output_grads(rows, weights, x.reshape(-1), flat)
+        grad_x, grad_weights = buffers.ops.stored_output_grads(rows, weights, x.reshape(-1),
+                                                               flat)
         shape, dtype = ctx.alpha_meta
         grad_alpha = grad_weights.new_zeros(shape, dtype=dtype)
         grad_alpha[buffers.layout.column_index[j]] = grad_weights
@@ -188,16 +193,14 @@ class Combine(torch.autograd.Function):
         # A contiguous copy of the strided view (|S_c| floats): gemv is a quarter faster.
         weights = buffers.alpha[buffers.layout.weights_index[c]].contiguous()
         ctx.diagonal = None
-        if live is not None:
+        if live is not None:  # the last weight goes to `live` instead of the stored X_c
             ctx.diagonal = weights[-1]
             buffers.live_diagonal.add(c)
-            stop, weights = stop - 1, weights[:-1]
-        values = buffers.values[r][start:stop]
+            stop -= 1
+        values = buffers.values[r]
         with _stream_precision(values):
-            if stop == start:  # S_c is {c}
-                return live * ctx.diagonal
-            y = weighted_rows(values.flatten(1), weights, weights.dtype).view(values.shape[1:])
-            return y if live is None else y.add_(live * ctx.diagonal)
+            y = buffers.ops.weighted_rows(values[start:stop].flatten(1), weights, live)
+            return y.view(values.shape[1:])
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -232,12 +235,13 @@ class ReadStored(torch.autograd.Function):
 class BufferedDWA:
     """The buffered DWAs of one forward pass: `store` each X_j as it is made (a consumer
     reads it from the buffer), `combine` each consumer when its inputs are all stored.
-    `storage_dtype`: the buffers' dtype (None: the stream's, `like`'s)."""
+    `storage_dtype`: the buffers' dtype (None: the stream's, `like`'s); `impl`: whose
+    products (`model.dwa_impl`, resolved for `like`'s device)."""
 
     def __init__(self, layout: BufferLayout, alpha: torch.Tensor, like: torch.Tensor,
-                 storage_dtype: torch.dtype | None = None):
+                 storage_dtype: torch.dtype | None = None, impl: str = "auto"):
         self.layout, self.alpha = layout, alpha
-        self.buffers = DWABuffers(layout, alpha, like, storage_dtype)
+        self.buffers = DWABuffers(layout, alpha, like, storage_dtype, impl)
 
     def store(self, j: int, x: torch.Tensor) -> torch.Tensor:
         """X_j, through StoreOutput if some consumer reads it."""
@@ -261,42 +265,20 @@ class BufferedDWA:
         return ReadStored.apply(self.buffers, j, handle)
 
 
-class DepthWeightedAverage(torch.autograd.Function):
-    """y = sum_n weights[n] * xs[n] in `dtype` (functional form; saves only references to
-    the inputs, which may be in a narrower storage dtype)."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, dtype: torch.dtype, *xs: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.save_for_backward(weights, *xs)
-        ctx.dtype = dtype
-        with _stream_precision(xs[0]):
-            stacked = torch.stack([x.to(dtype) for x in xs])
-            return torch.tensordot(weights.to(dtype), stacked, dims=1)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        weights, *xs = ctx.saved_tensors
-        grad_y = grad_y.to(ctx.dtype)
-        stacked = torch.stack([x.to(ctx.dtype) for x in xs])
-        grad_weights = stacked.reshape(len(xs), -1) @ grad_y.reshape(-1)
-        # Separate tensors (not views of one outer product) so each is freed once consumed;
-        # autograd rounds the gradient of an input kept in a storage dtype to that dtype.
-        grad_xs = torch._foreach_mul([grad_y] * len(xs), list(weights.to(ctx.dtype).unbind()))
-        return (grad_weights.to(weights.dtype), None, *grad_xs)
-
-
 def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
-                           storage_dtype: torch.dtype | None = None, diagonal: bool = False
-                           ) -> torch.Tensor:
+                           storage_dtype: torch.dtype | None = None, diagonal: bool = False,
+                           impl: str = "auto") -> torch.Tensor:
     """sum_n weights[n] * xs[n] (weights: 1-D, one per input; inputs of equal shape), in the
-    dtype of the last input. With a `storage_dtype`, each input is first rounded to it, as
-    the buffered DWA stores it, except the last when it is the `diagonal` term X_i."""
+    dtype of the last input, running `impl`'s products (dwa_op.py: the custom op
+    `denseformer::dwa_sum` for the Triton kernels). With a `storage_dtype`, each input is
+    first rounded to it, as the buffered DWA stores it, except the last when it is the
+    `diagonal` term X_i."""
     dtype = xs[-1].dtype
     if storage_dtype is not None and storage_dtype != dtype:
         live = xs[-1:] if diagonal else []
         xs = [x.to(storage_dtype) for x in xs[:len(xs) - len(live)]] + live
-    return DepthWeightedAverage.apply(weights, dtype, *xs)
+    with _stream_precision(xs[-1]):
+        return functional_dwa(xs, weights.to(dtype), impl)
 
 
 # -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------
@@ -345,8 +327,10 @@ class DecodeDWAState:
     as a tensor, made once."""
 
     def __init__(self, pattern: DWAPattern, weights: Mapping[int, torch.Tensor],
-                 like: torch.Tensor, storage_dtype: torch.dtype | None = None):
+                 like: torch.Tensor, storage_dtype: torch.dtype | None = None,
+                 impl: str = "auto"):
         self.pattern = pattern
+        self.ops = dwa_ops(impl, like.device)
         dtype = storage_dtype or like.dtype
         self.values = {r: like.new_empty((n, *like.shape), dtype=dtype)
                        for r, n in pattern.class_sizes.items()}
@@ -369,13 +353,9 @@ class DecodeDWAState:
         """Y_i: one matrix-vector product over the slice of its class (the diagonal term
         from `live` when the slice is stored in another dtype)."""
         r, start, stop = self.pattern.reads[i]
-        weights = self.weights[i]
         narrow = self.values[r].dtype != live.dtype
-        if narrow:
-            stop, weights = stop - 1, weights[:-1]
-        values = self.values[r][start:stop]
+        values = self.values[r]
         with _stream_precision(values):
-            if stop == start:  # S_i is {i}
-                return live * self.weights[i][-1]
-            y = weighted_rows(values.flatten(1), weights, live.dtype).view(values.shape[1:])
-            return y.add_(live * self.weights[i][-1]) if narrow else y
+            y = self.ops.weighted_rows(values[start:stop - narrow].flatten(1), self.weights[i],
+                                       live if narrow else None)
+            return y.view(values.shape[1:])
