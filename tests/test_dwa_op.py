@@ -7,9 +7,9 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pretrain.model import DenseFormer
-from pretrain.model.denseformer import cross_entropy
 from pretrain.model.dwa_op import dwa_sum
 from tests.test_model import random_alpha, tiny
 
@@ -72,8 +72,8 @@ def test_the_compiled_model_keeps_the_dwa_ops_with_no_graph_break(dwa_dtype, imp
     tokens = tokens.to(DEVICE)
     # the eager reference runs the same ops (the buffered DWA, which rounds its gradient rows
     # to bf16 too, is compared with them in tests/test_dwa_storage.py)
-    eager = cross_entropy(model.local_logits(model.run_blocks(
-        model.embed(tokens[:, :-1]), functional=True), seq_first=True), tokens[:, 1:])
+    logits = model.head(model.run_blocks(model.embed(tokens[:, :-1]), functional=True))
+    eager = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     eager.backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
