@@ -6,10 +6,12 @@ head with the blocks. So on CUDA:
 
 - the whole model (`model`) for a Transformer without pipeline stages;
 - every block (`blocks`) with pipeline stages, whose schedule runs each stage itself;
-- every block for a DenseFormer: its eager buffered DWA (pretrain/model/dwa.py) stays out
-  of the graph, where the whole-model mode would swap in the functional DWA, whose stacked
-  copies of every X_j cost memory and time; this is the mode to measure again when the
-  DWA kernels change.
+- every block for a DenseFormer: its buffered DWAs (pretrain/model/dwa.py, on the Triton
+  kernels where `model.dwa_impl` picks them) run between the compiled blocks. The whole-model
+  mode would run the functional DWA instead (the custom op of pretrain/model/dwa_op.py),
+  which moves more bytes (1,272 + 3,770 hidden-size tensors forward + backward against
+  1,370 + 1,419 for 1x1 at 48 blocks, docs/design.md). Which is faster on a GPU is for
+  `gpu_check --only dwa_compiled` to measure; until it does, blocks.
 
 On a CPU: none (compilation takes longer than the short runs made there save). With ZeRO-3:
 none, as any compiled mode is refused there (DeepSpeed gathers parameters in module hooks).
