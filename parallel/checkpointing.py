@@ -26,8 +26,11 @@ checkpoint keeps its inputs alive, so a unit given X_j itself would hold a secon
 it; units get `after(X_j)` instead: a 0-element tensor whose backward runs after the unit's
 and before X_j's producer's, holding nothing.
 
-Under pipeline parallelism the stages run their own block loop (parallel/stage_model.py);
-there `block` with n = 1 is available and the other modes are refused by config validation.
+A unit is a slice of the model's block program (pretrain/model/program.py): the steps of
+blocks a..b, run by the same interpreter (`ProgramRun`) as the whole forward, with the same
+connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Under pipeline
+parallelism each stage runs its own slice of the program (parallel/stage_model.py); there
+`block` with n = 1 is available and the other modes are refused by config validation.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.dwa import BufferedDWA, depth_weighted_average, storage_dtype
+from pretrain.model.dwa import BufferedDWA
+from pretrain.model.program import ProgramRun, StageProgram
 
 MODES = ("none", "block", "dwa_block")
 
@@ -87,103 +91,87 @@ class ActivationCheckpointing:
         return runner.run(self.units(model.config.n_layers))
 
 
+class _HandedAfter:
+    """A buffered connection state whose `hold` hands the readers of X_j `after(X_j)`: the
+    value lives in the buffer, and a unit that reads X_j must not keep a second copy."""
+
+    def __init__(self, buffered: BufferedDWA):
+        self.buffered = buffered
+
+    def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _ = self.buffered.hold(j, x)
+        return x, after(x)
+
+    def mix(self, source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
+        return self.buffered.mix(source, handles, live)
+
+    def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
+        return self.buffered.read_stored(j, handle)
+
+
 class _UnitRunner:
-    """One forward pass through checkpointed units (state: the buffers and the handles)."""
+    """One forward pass through checkpointed units: a run of the model's program, each
+    unit a slice of its steps run in a `ProgramRun` of its own inside the checkpoint."""
 
     def __init__(self, model, x0: torch.Tensor, functional: bool, lead_dwa: bool,
                  recorder: list | None = None):
-        self.model = model
-        self.recorder = recorder
-        self.plan = plan = model.dwa_pattern  # pretrain/model/dwa_pattern.py
-        self.lead_dwa = lead_dwa
-        self.storage = storage_dtype(model.config.dwa_dtype)
-        self.impl = model.config.dwa_impl
-        self.buffered = None if functional or not plan.slot else BufferedDWA(
-            plan.layout, model.dwa_alpha, x0, self.storage, self.impl)
-        # j -> autograd handle of an X_j that a later DWA reads: after(X_j) when buffered
-        # (X_j itself is in the buffer), else the tensor X_j.
-        self.handles: dict[int, torch.Tensor] = {}
-        self.x0 = self.keep(0, x0, self.handles)
+        self.model, self.recorder, self.lead_dwa = model, recorder, lead_dwa
+        self.program: StageProgram = model.program
+        connections = model.training_connections(x0, functional)
+        self.buffered = isinstance(connections, BufferedDWA)
+        self.connections = _HandedAfter(connections) if self.buffered else connections
+        self.outer = ProgramRun(self.program, model.block, self.connections)
+        self.outer.receive({0: x0})
 
-    # -- pieces shared by the units and the loop ----------------------------------------
-
-    def keep(self, j: int, x: torch.Tensor, handles: dict) -> torch.Tensor:
-        if j in self.plan.slot:
-            if self.buffered is None:
-                handles[j] = x
-            else:
-                x = self.buffered.store(j, x)
-                handles[j] = after(x)
-        return x
-
-    def dwa(self, i: int, alpha: torch.Tensor, handles: dict,
-            live: torch.Tensor | None = None) -> torch.Tensor:
-        """Y_i = sum over S_i of alpha[i, j] X_j (`live`: X_i, where the pass holds it; a
-        recomputed leading DWA reads it from its buffer)."""
-        deps = [handles[j] for j in self.plan.inputs[i]]
-        if self.buffered is None:  # the handles are the X_j themselves
-            return depth_weighted_average(alpha[self.plan.layout.weights_index[i]], deps,
-                                          self.storage, diagonal=True, impl=self.impl)
-        return self.buffered.combine(i, deps, live)
-
-    def read_stored(self, j: int, handle: torch.Tensor) -> torch.Tensor:
-        """A fresh copy of the buffered X_j (its gradient goes to the gradient buffer)."""
-        return self.buffered.read_stored(j, handle)
-
-    def recomputes_entry(self, a: int) -> bool:
-        """Whether the unit starting at block a recomputes its input Y_{a-1} itself."""
-        j = a - 1
-        return self.lead_dwa and (j in self.plan.inputs
-                                  or (self.buffered is not None and j in self.plan.slot))
-
-    # -- the loop ------------------------------------------------------------------------
+    def recomputes_entry(self, start: int) -> bool:
+        """Whether the unit whose first step is `start` recomputes that step's input (a
+        DWA from the held X_j, or an X_j read back from its buffer) instead of keeping it."""
+        src = self.program.steps[start].input
+        return self.lead_dwa and (src.kind == "dwa" or (
+            self.buffered and src.kind == "x" and src.index in self.program.held))
 
     def run(self, units: list[tuple[int, int]]) -> torch.Tensor:
-        alpha, plan = self.model.dwa_alpha, self.plan
-        x = self.x0
+        program = self.program
         for a, b in units:
-            if self.recomputes_entry(a):
-                entry = None
-            elif a - 1 in plan.inputs:
-                entry = self.dwa(a - 1, alpha, self.handles, x)  # kept as the unit's input
-            else:
-                entry = x
-            reads = self._reads_before(a, b)
-            produced = [i for i in range(a, b + 1) if i in plan.slot]
-            unit, inputs = self._unit_fn(a, b, reads, produced), (
-                entry, alpha, *[self.handles[j] for j in reads])
+            start, stop = program.block_steps[a][0], program.block_steps[b][1]
+            recompute = self.recomputes_entry(start)
+            entry = None if recompute else self.outer.form(start)
+            reads = self._reads(start, stop, recompute)
+            # The X_j made in the unit that a source after it reads.
+            produced = [i for i in range(a, b + 1) if any(
+                i in js for js in program.reads[stop:])]
+            unit = self._unit_fn(start, stop, reads, produced)
+            inputs = (entry, *[self.outer.held[j] for j in reads])
             if self.recorder is not None:
                 self.recorder.append((unit, inputs))
             outputs = checkpoint(unit, *inputs, use_reentrant=False)
-            x = outputs[0]
-            self.handles.update(zip(produced, outputs[1:], strict=True))
-        d = self.model.config.n_layers
-        return self.dwa(d, alpha, self.handles, x) if d in plan.inputs else x
+            for n in range(start + (not recompute), stop):
+                for j in program.drops[n]:
+                    self.outer.held.pop(j, None)
+            self.outer.held.update(zip(produced, outputs[1:], strict=True))
+            self.outer.stream, self.outer.at = outputs[0], ("x", b)
+        return self.outer.outputs()[0]
 
-    def _reads_before(self, a: int, b: int) -> list[int]:
-        """The X_j (j < a) that the DWAs computed inside unit [a, b] read."""
-        inside = [i for i in range(a - 1, b) if i in self.plan.inputs]
-        if not self.recomputes_entry(a):
-            inside = [i for i in inside if i >= a]
-        reads = {j for i in inside for j in self.plan.inputs[i]}
-        if self.recomputes_entry(a) and a - 1 not in self.plan.inputs:
-            reads.add(a - 1)  # read back from its buffer
-        return sorted(j for j in reads if j < a)
+    def _reads(self, start: int, stop: int, recompute: bool) -> list[int]:
+        """The held X_j made before the unit that its sources read (the first step's input
+        only when the unit recomputes it)."""
+        first = self.program.steps[start]
+        made_before = first.block
+        reads = {j for n in range(start + (not recompute), stop)
+                 for j in self.program.reads[n] if j < made_before}
+        if recompute and first.input.kind == "x":
+            reads.add(first.input.index)  # read back from its buffer
+        return sorted(reads)
 
-    def _unit_fn(self, a: int, b: int, reads: list[int], produced: list[int]):
-        def unit(entry, alpha, *read_handles):
-            handles = dict(zip(reads, read_handles, strict=True))
-            if entry is not None:
-                y = entry
-            elif a - 1 in self.plan.inputs:
-                y = self.dwa(a - 1, alpha, handles)
-            else:
-                y = self.read_stored(a - 1, handles[a - 1])
-            for i in range(a, b + 1):
-                x = self.keep(i, self.model.blocks[i - 1](y), handles)
-                if i < b:
-                    y = self.dwa(i, alpha, handles, x) if i in self.plan.inputs else x
-            return (x, *[handles[i] for i in produced])
+    def _unit_fn(self, start: int, stop: int, reads: list[int], produced: list[int]):
+        def unit(entry, *read_handles):
+            run = ProgramRun(self.program, self.model.block, self.connections)
+            run.held.update(zip(reads, read_handles, strict=True))
+            src = self.program.steps[start].input
+            if entry is None and src.kind == "x":
+                entry = self.connections.read_stored(src.index, run.held[src.index])
+            x = run.run(start, stop, entry)
+            return (x, *[run.held[i] for i in produced])
 
         return unit
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
+from pretrain.model.program import model_program
 
 FP32, BF16 = 4, 2
 
@@ -92,19 +93,10 @@ class InferenceMemory:
 
 
 def prefill_peak_tensors(pattern: DWAPattern) -> int:
-    """The most X_j a prefill holds at once: keep X_0, then after each block i keep X_i (if
-    some DWA reads it) and, if block i has a DWA, drop the X_j whose last reader is i; the
-    order of `DenseFormer.forward_cached` with `PrefillDWAState`."""
-    kept: set[int] = set()
-    peak = 0
-    for i in range(pattern.n_layers + 1):
-        if i in pattern.slot:
-            kept.add(i)
-            peak = max(peak, len(kept))
-        for j in pattern.inputs.get(i, ()):
-            if pattern.last_reader[j] == i:
-                kept.discard(j)
-    return peak
+    """The most X_j a prefill holds at once: the liveness of the model's block program
+    (pretrain/model/program.py), which `DenseFormer.forward_cached` runs with
+    `PrefillDWAState`: X_j held from the block that makes it to its last reader."""
+    return model_program(pattern).peak_held()
 
 
 def estimate_inference(model: DenseFormerConfig, parameters: dict[str, list[int]], tp: int,

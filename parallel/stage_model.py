@@ -23,22 +23,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel import groups
-from parallel.stage_state import StageProgram, run_program
 from parallel.tensor import mark_sequence_parallel
+from pretrain.model import lm_parts
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.denseformer import (
-    DenseFormer,
-    _mark_tensor_parallel,
-    dwa_alpha_parameter,
-    dwa_mask_tensor,
-    lm_head,
-    megatron_config,
-)
-from pretrain.model.dwa import storage_dtype
+from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_layout import buffer_layout
+from pretrain.model.dwa_weights import DWAWeights
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import no_init
+from pretrain.model.lm_parts import lm_head, mark_tensor_parallel, megatron_config
+from pretrain.model.program import StageProgram, run_program
 from pretrain.model.rotary import RotaryEmbedding
 
 
@@ -70,33 +65,45 @@ class StageModel(nn.Module):
             self.final_norm = norm(cfg)
             self.lm_head = lm_head(cfg, mp, self.tp_group)
         self.dwa_pattern = cfg.dwa_pattern  # the object the plan's programs were made from
-        self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
-        self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
-        _mark_tensor_parallel(self)
+        self.dwa_weights = DWAWeights(self.dwa_pattern)
+        self.register_buffer("dwa_mask", self.dwa_weights.new_mask(), persistent=False)
+        self.dwa_alpha = self.dwa_weights.new_parameter()
+        mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
         init_parameters(self.named_parameters(), cfg, seed, self.tp_rank, self.tp_size)
 
-    # The single-process model's methods that read only the attributes above.
-    embed = DenseFormer.embed
-    head_weight = DenseFormer.head_weight
-    head_loss = DenseFormer.head_loss
-    dwa_matrix = DenseFormer.dwa_matrix
-    load_dwa_matrix = DenseFormer.load_dwa_matrix
+    # The pieces around the blocks, shared with the single-process model (lm_parts.py).
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """X_0: token embeddings (B, S, H)."""
+        return lm_parts.embed(self, tokens)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (V / TP, H) shard: the embedding's, or the untied `lm_head`'s."""
+        return lm_parts.head_weight(self)
+
+    def head_loss(self, h: torch.Tensor, head_weight: torch.Tensor,
+                  targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the LM head on the final norm's output (lm_parts.py)."""
+        return lm_parts.head_loss(self, h, head_weight, targets)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
+        return lm_parts.num_params(self, non_embedding)
+
+    def dwa_matrix(self) -> torch.Tensor:
+        """alpha as a dense (d, d + 1) float tensor; identity rows for blocks without DWA."""
+        return self.dwa_weights.matrix(self.dwa_alpha)
+
+    def load_dwa_matrix(self, matrix: torch.Tensor) -> None:
+        """Set alpha from a dense (d, d + 1) matrix; raise if it leaves the pattern."""
+        self.dwa_weights.load(self.dwa_alpha, self.dwa_mask, matrix)
 
     def block(self, i: int) -> Block:
         """Block i (numbered from 1, as in docs/design.md)."""
         return self.blocks[str(i - 1)]
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
-        n = sum(p.numel() for p in self.parameters())
-        if self.dwa_alpha is not None:
-            n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
-        if non_embedding:
-            for module in (self.embedding, self.lm_head):
-                n -= 0 if module is None else module.weight.numel()
-        return n
 
 
 class StageModule(nn.Module):
@@ -113,12 +120,6 @@ class StageModule(nn.Module):
         # The buffered DWA's plan for this stage's partial DWAs (as in the whole model).
         self.dwa_layout = buffer_layout(program.dwa_reads(), model.dwa_pattern.dilation)
 
-    def _block_fn(self, i: int):
-        block = self.model.block(i)
-        if not self.activation_checkpointing:
-            return block
-        return lambda y: checkpoint(block, y, use_reentrant=False)
-
     def forward(self, *received: torch.Tensor):
         program, model = self.program, self.model
         x: dict[int, torch.Tensor] = {}
@@ -132,10 +133,12 @@ class StageModule(nn.Module):
             received = tuple(t.to(stream) for t in received)
             for item, tensor in zip(program.incoming, received, strict=True):
                 (x if item.kind == "x" else sums)[item.index] = tensor
-        blocks = {i: self._block_fn(i) for i in range(program.first, program.last + 1)}
-        layout = None if torch.compiler.is_compiling() else self.dwa_layout
-        out = run_program(program, model.dwa_alpha, x, sums, blocks, layout,
-                          storage_dtype(model.config.dwa_dtype), model.config.dwa_impl)
+        connections = training_connections(
+            self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),
+            torch.compiler.is_compiling(), storage_dtype(model.config.dwa_dtype),
+            model.config.dwa_impl)
+        out = run_program(program, model.block, connections, x, sums,
+                          call=_checkpointed if self.activation_checkpointing else None)
         if program.is_last:  # (B, S, H), or (S / TP, B, H) under sequence parallelism
             # The weight as a view: the schedule detaches the last stage's outputs in place
             # after their backward, which would take the parameter itself out of autograd.
@@ -145,3 +148,8 @@ class StageModule(nn.Module):
         # backward sees an output distinct from its input.
         return tuple(t.to(self.boundary_dtype) if t.dtype != self.boundary_dtype
                      else t.view_as(t) if any(t is r for r in received) else t for t in out)
+
+
+def _checkpointed(layer, y: torch.Tensor) -> torch.Tensor:
+    """A layer recomputed in backward (`parallel.activation_checkpointing: block`)."""
+    return checkpoint(layer, y, use_reentrant=False)

@@ -32,32 +32,23 @@ sum_r min(|P_r|, |C_r|) hidden-size tensors can carry this for generic alphas
 
 Each alpha[c, j] is applied exactly once, on the stage that first folds X_j into consumer c's
 sum (a partial sum that it sends on, or Y_c itself), which need not be the stage of block c
-nor of block j. `StageProgram` says, for one stage, how every block input and every outgoing
-tensor is formed; `run_program` executes it on tensors. Everything here except
-`run_program` is plain Python.
+nor of block j. A stage's program is the model's block program (pretrain/model/program.py:
+`StageProgram`, `stage_program`, `Item`) cut to its blocks, with what crosses its boundaries
+chosen here; the same interpreter runs it (parallel/stage_model.py). Everything here is
+plain Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING
+
+from pretrain.model.program import Item, StageProgram, stage_program
 
 if TYPE_CHECKING:
     from pretrain.model.dwa_pattern import DWAPattern
 
 TRANSFER_MODES = ("optimal", "raw")
-
-
-class Item(NamedTuple):
-    """One hidden-size tensor crossing a boundary: `("x", j)` is X_j itself; `("sum", c)` is
-    the DWA after block c summed over its X_j with j <= the boundary (Y_c when c is the
-    boundary block)."""
-
-    kind: Literal["x", "sum"]
-    index: int
-
-    def __str__(self) -> str:
-        return f"X_{self.index}" if self.kind == "x" else f"sum_{self.index}"
 
 
 def _ordered(items) -> tuple[Item, ...]:
@@ -141,93 +132,6 @@ def boundary_states(pattern: DWAPattern, boundaries: list[int],
     return states
 
 
-# ---------------------------------------------------------------------------------------------
-# One stage's arithmetic
-
-
-@dataclass(frozen=True)
-class Source:
-    """How to form one tensor on a stage: X_j itself (`kind="x"`), or for the DWA after
-    block `index`, the received partial sum (if `base`) plus alpha[index, j] X_j for j in
-    `terms` (X_j received raw or computed on this stage)."""
-
-    kind: Literal["x", "dwa"]
-    index: int
-    base: bool = False
-    terms: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class StageProgram:
-    """Blocks first..last of a d-block model: what the stage receives, how it forms each
-    block's input, and what it sends (or, on the last stage, the model output Y_d)."""
-
-    first: int
-    last: int
-    n_layers: int
-    incoming: tuple[Item, ...]  # empty on the first stage (it starts from the embedding)
-    block_inputs: tuple[Source, ...]  # Y_{i-1} for i = first..last
-    outgoing: tuple[Item, ...]  # empty on the last stage
-    outgoing_sources: tuple[Source, ...]  # the Y_d source alone on the last stage
-
-    @property
-    def is_first(self) -> bool:
-        return self.first == 1
-
-    @property
-    def is_last(self) -> bool:
-        return self.last == self.n_layers
-
-    def dwa_reads(self) -> dict[int, tuple[int, ...]]:
-        """{c: the X_j this stage folds into the DWA after block c} (the buffered DWA's
-        consumers, pretrain/model/dwa_layout.py)."""
-        return {src.index: src.terms for src in self.block_inputs + self.outgoing_sources
-                if src.kind == "dwa" and src.terms}
-
-    def alpha_entries(self) -> set[tuple[int, int]]:
-        """The (c, j) whose alpha[c, j] this stage applies."""
-        return {(src.index, j) for src in self.block_inputs + self.outgoing_sources
-                if src.kind == "dwa" for j in src.terms}
-
-
-def stage_program(pattern: DWAPattern, first: int, last: int, incoming: tuple[Item, ...],
-                  outgoing: tuple[Item, ...]) -> StageProgram:
-    """Check that `incoming` suffices to produce `outgoing` (and every block input) on a
-    stage of blocks first..last, and say how; raises ValueError otherwise."""
-    inputs, n_layers = pattern.inputs, pattern.n_layers
-    b_in = first - 1
-    received_x = {item.index for item in incoming if item.kind == "x"}
-    received_sums = {item.index for item in incoming if item.kind == "sum"}
-    if first == 1:
-        received_x = {0}  # X_0: the embedding, computed here
-
-    def x_source(j: int) -> Source:
-        if j not in received_x and not first <= j <= last:
-            raise ValueError(f"stage {first}..{last} needs X_{j}, which does not reach it")
-        return Source("x", j)
-
-    def dwa_source(c: int, upto: int) -> Source:
-        base = c in received_sums  # then it already holds every j <= b_in
-        terms = tuple(j for j in inputs[c] if j <= upto and not (base and j <= b_in))
-        for j in terms:
-            x_source(j)
-        return Source("dwa", c, base, terms)
-
-    def y_source(i: int) -> Source:  # Y_i, the input of block i + 1
-        return dwa_source(i, i) if i in inputs else x_source(i)
-
-    block_inputs = tuple(y_source(i - 1) for i in range(first, last + 1))
-    if last == n_layers:
-        if outgoing:
-            raise ValueError("the last stage sends nothing")
-        sources = (y_source(last),)
-    else:
-        sources = tuple(x_source(item.index) if item.kind == "x" else dwa_source(item.index, last)
-                        for item in outgoing)
-    return StageProgram(first, last, n_layers, tuple(incoming), block_inputs, tuple(outgoing),
-                        sources)
-
-
 def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
                    mode: str) -> list[StageProgram]:
     """One StageProgram per stage (inclusive block ranges, in order, covering 1..d)."""
@@ -237,45 +141,3 @@ def stage_programs(pattern: DWAPattern, stages: list[tuple[int, int]],
     outgoing = states + [()]
     return [stage_program(pattern, first, last, incoming[s], outgoing[s])
             for s, (first, last) in enumerate(stages)]
-
-
-def run_program(program: StageProgram, alpha, x: dict, sums: dict, blocks: dict,
-                layout=None, storage_dtype=None, impl: str = "auto"):
-    """Execute a StageProgram on tensors. `x` maps j to X_j (received, or X_0 on the first
-    stage), `sums` maps c to a received partial sum; `blocks[i]` is block i's callable;
-    `alpha` is the full (d, d + 1) matrix. With `layout` (`buffer_layout` of
-    `program.dwa_reads()`) the DWAs run buffered, as in the single-process model, else
-    functional (one custom op per DWA, pretrain/model/dwa_op.py). `storage_dtype`: the
-    DWAs' (`model.dwa_dtype`; None: the stream's); `impl`: whose products
-    (`model.dwa_impl`, as in the whole model). Returns the outgoing tensors (a tuple), or
-    Y_d on the last stage."""
-    from pretrain.model.dwa import BufferedDWA, depth_weighted_average
-
-    buffered = None
-    if layout is not None and layout.slot:
-        like = next(iter((*x.values(), *sums.values())))
-        buffered = BufferedDWA(layout, alpha, like, storage_dtype, impl)
-        for j in list(x):
-            x[j] = buffered.store(j, x[j])
-
-    def form(src: Source):
-        if src.kind == "x":
-            return x[src.index]
-        total = None
-        if src.terms and buffered is not None:
-            total = buffered.combine(src.index, [x[j] for j in src.terms], x.get(src.index))
-        elif src.terms:
-            total = depth_weighted_average(alpha[src.index - 1, list(src.terms)],
-                                           [x[j] for j in src.terms], storage_dtype,
-                                           diagonal=src.terms[-1] == src.index, impl=impl)
-        if src.base:
-            total = sums[src.index] if total is None else sums[src.index] + total
-        return total
-
-    blocks_in = range(program.first, program.last + 1)
-    for i, src in zip(blocks_in, program.block_inputs, strict=True):
-        x[i] = blocks[i](form(src))
-        if buffered is not None:
-            x[i] = buffered.store(i, x[i])
-    outputs = tuple(form(src) for src in program.outgoing_sources)
-    return outputs[0] if program.is_last else outputs

@@ -104,7 +104,7 @@ def _check_options(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Load the model, generate for every prompt, print (rank 0); the exit status."""
     from parallel import groups
-    from pretrain.generation import context_budgets, prompt_ids
+    from pretrain.generation import context_budgets, generate, prompt_ids
     from pretrain.load import load_model
 
     _check_options(args)
@@ -127,8 +127,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if stream is not None:
                 print(texts[0], end="", flush=True)
             timings: dict = {}
-            completions = model.generate(
-                batch, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+            completions = generate(
+                model, batch, args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                 eos_id=tokenizer.eos_id, use_cache=not args.no_cache, timings=timings,
                 on_step=stream)

@@ -6,7 +6,8 @@ Prompts of different lengths share one batch, left-padded: row b has `pad_b` pad
 then its prompt, so the last column is every row's newest token. Its tokens sit at positions
 `slot - pad_b` (what RoPE sees, as in training) and attend to no padding slot. Every block keeps
 the keys and values of all slots (`KVCache`); the DWAs need only the current tokens' block
-outputs, which the model keeps itself (`DenseFormer.forward_cached`, pretrain/model/dwa.py).
+outputs, which the model keeps itself (`DenseFormer.forward_cached`,
+pretrain/model/dwa_inference.py).
 
 A row stops at its EOS (finish_reason "eos"; the EOS is not part of the completion) or when it
 has `max_new_tokens` new tokens, or else reaches the model's context `seq_len` (both "length").

@@ -33,6 +33,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from pretrain.generation import generate
+
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "denseformer"
@@ -173,9 +175,9 @@ class DenseFormerLM(LM):
         greedy = not options.get("do_sample", False) or temperature == 0.0
         prompts = [self.context_ids(text)[-(self.seq_len - max_new):] for text in contexts]
         with self._autocast():
-            completions = self.model.generate(prompts, max_new, greedy=greedy,
-                                              temperature=temperature or 1.0, seed=self.seed,
-                                              eos_id=self.eos_id)
+            completions = generate(self.model, prompts, max_new, greedy=greedy,
+                                   temperature=temperature or 1.0, seed=self.seed,
+                                   eos_id=self.eos_id)
         return [_cut(self.new_text(prompt, completion.tokens), until)
                 for prompt, completion in zip(prompts, completions, strict=True)]
 

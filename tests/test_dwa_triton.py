@@ -9,8 +9,9 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu  # on the GPU machine the kernels compile for the device
 
 from pretrain.model import dwa_triton  # noqa: E402
-from pretrain.model.dwa import BufferedDWA, DecodeDWAState  # noqa: E402
+from pretrain.model.dwa import BufferedDWA  # noqa: E402
 from pretrain.model.dwa_impl import TorchOps, dwa_ops, resolve  # noqa: E402
+from pretrain.model.dwa_inference import DecodeDWAState  # noqa: E402
 from pretrain.model.dwa_pattern import pattern_for_shape  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

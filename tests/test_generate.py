@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from pretrain.generation import FINISH_EOS, FINISH_LENGTH, KVCache, context_budgets
+from pretrain.generation import FINISH_EOS, FINISH_LENGTH, KVCache, context_budgets, generate
 from tests.conftest import ROOT, cli_env
 from tests.distributed import run_distributed_test
 from tests.test_train import run, train_cmd
@@ -38,8 +38,8 @@ def tiny_model(shape: str, seq_len: int = 40, dwa_dtype: str = "fp32"):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cached_greedy_equals_full_forward_greedy(shape):
     model = tiny_model(shape)
-    cached = model.generate(PROMPTS, 12, greedy=True)
-    reference = model.generate(PROMPTS, 12, greedy=True, use_cache=False)
+    cached = generate(model, PROMPTS, 12, greedy=True)
+    reference = generate(model, PROMPTS, 12, greedy=True, use_cache=False)
     assert [c.tokens for c in cached] == [r.tokens for r in reference]
     assert all(len(c.tokens) == 12 and c.finish_reason == FINISH_LENGTH for c in cached)
     # Not a degenerate model that repeats one token.
@@ -76,8 +76,8 @@ def test_cached_logits_match_the_training_forward(shape, dwa_dtype):
 @pytest.mark.timeout(60)
 def test_batched_equals_one_prompt_at_a_time():
     model = tiny_model("4x5")
-    batched = model.generate(PROMPTS, 10, greedy=True)
-    alone = [model.generate([prompt], 10, greedy=True)[0] for prompt in PROMPTS]
+    batched = generate(model, PROMPTS, 10, greedy=True)
+    alone = [generate(model, [prompt], 10, greedy=True)[0] for prompt in PROMPTS]
     assert batched == alone
 
 
@@ -96,7 +96,7 @@ def pattern_tables(d: int, k: int, p: int | None, window: int | None):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_dwa_state_holds_exactly_what_the_pattern_implies(shape):
-    from pretrain.model import dwa
+    from pretrain.model import dwa_inference as dwa
 
     model = tiny_model(shape)
     cfg = model.config
@@ -111,7 +111,7 @@ def test_dwa_state_holds_exactly_what_the_pattern_implies(shape):
 
     dwa.PrefillDWAState.combine = spy
     try:
-        model.generate(PROMPTS[:3], 4, greedy=True)
+        generate(model, PROMPTS[:3], 4, greedy=True)
     finally:
         dwa.PrefillDWAState.combine = original
     # Prefill: before DWA i, exactly the X_j (j <= i) some DWA at or after i still reads.
@@ -139,8 +139,8 @@ def test_dwa_state_holds_exactly_what_the_pattern_implies(shape):
 
 def generate_on_ranks(shape: str) -> dict:
     model = tiny_model(shape)
-    greedy = model.generate(PROMPTS, 8, greedy=True)
-    sampled = model.generate(PROMPTS, 8, seed=5, top_k=30, top_p=0.95)
+    greedy = generate(model, PROMPTS, 8, greedy=True)
+    sampled = generate(model, PROMPTS, 8, seed=5, top_k=30, top_p=0.95)
     return {"greedy": [c.tokens for c in greedy], "sampled": [c.tokens for c in sampled]}
 
 
@@ -155,28 +155,28 @@ def test_tp2_equals_tp1():
 @pytest.mark.timeout(60)
 def test_sampling_is_reproducible_and_options_filter():
     model = tiny_model("1x1")
-    first = model.generate(PROMPTS, 10, seed=3, temperature=1.5)
-    assert first == model.generate(PROMPTS, 10, seed=3, temperature=1.5)
-    assert first == model.generate(PROMPTS, 10, seed=3, temperature=1.5, use_cache=False)
-    assert first != model.generate(PROMPTS, 10, seed=4, temperature=1.5)
-    greedy = model.generate(PROMPTS, 10, greedy=True)
-    assert model.generate(PROMPTS, 10, seed=3, top_k=1) == greedy
-    assert model.generate(PROMPTS, 10, seed=3, top_p=1e-6) == greedy
+    first = generate(model, PROMPTS, 10, seed=3, temperature=1.5)
+    assert first == generate(model, PROMPTS, 10, seed=3, temperature=1.5)
+    assert first == generate(model, PROMPTS, 10, seed=3, temperature=1.5, use_cache=False)
+    assert first != generate(model, PROMPTS, 10, seed=4, temperature=1.5)
+    greedy = generate(model, PROMPTS, 10, greedy=True)
+    assert generate(model, PROMPTS, 10, seed=3, top_k=1) == greedy
+    assert generate(model, PROMPTS, 10, seed=3, top_p=1e-6) == greedy
 
 
 @pytest.mark.timeout(60)
 def test_stops_at_eos_or_the_context():
     model = tiny_model("1x1", seq_len=16)
-    greedy = model.generate(PROMPTS, 8, greedy=True)
+    greedy = generate(model, PROMPTS, 8, greedy=True)
     eos = greedy[0].tokens[3]
-    stopped = model.generate(PROMPTS, 8, greedy=True, eos_id=eos)
+    stopped = generate(model, PROMPTS, 8, greedy=True, eos_id=eos)
     assert stopped[0].finish_reason == FINISH_EOS
     assert stopped[0].tokens == greedy[0].tokens[:greedy[0].tokens.index(eos)]
-    filled = model.generate(PROMPTS, greedy=True)  # no max_new_tokens: up to the context
+    filled = generate(model, PROMPTS, greedy=True)  # no max_new_tokens: up to the context
     assert [len(p) + len(c.tokens) for p, c in zip(PROMPTS, filled, strict=True)] == [16] * 4
     assert all(c.finish_reason == FINISH_LENGTH for c in filled)
     with pytest.raises(ValueError, match="past the model's context"):
-        model.generate(PROMPTS, 10, greedy=True)
+        generate(model, PROMPTS, 10, greedy=True)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         context_budgets([3, 0], 16, None)
 
@@ -294,7 +294,7 @@ def test_on_step_sees_every_token_as_it_is_made():
     model = tiny_model("1x1")
     seen: list[list[int]] = []
     timings: dict = {}
-    out = model.generate(PROMPTS[:1], 5, greedy=True, timings=timings,
+    out = generate(model, PROMPTS[:1], 5, greedy=True, timings=timings,
                          on_step=lambda completions: seen.append(list(completions[0].tokens)))
     assert seen == [out[0].tokens[:n] for n in range(1, 6)]
     assert 0 < timings["first_token_s"] <= timings["prefill_s"] + timings["decode_s"]

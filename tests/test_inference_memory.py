@@ -56,7 +56,7 @@ def measure(shape: str, batch: int, context: int, prompt: int, autocast: bool = 
     estimate's JSON (without the autocast weight copies and the totals)."""
     from pretrain.generation import KVCache
     from pretrain.model import denseformer
-    from pretrain.model.dwa import PrefillDWAState
+    from pretrain.model.dwa_inference import PrefillDWAState
 
     states = []
 

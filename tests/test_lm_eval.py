@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("lm_eval", reason="lm-eval is the optional extra `eval`")
 
+from pretrain.generation import generate  # noqa: E402
 from tests.conftest import ROOT, cli_env  # noqa: E402
 from tests.test_train import run, train_cmd
 
@@ -101,7 +102,7 @@ def test_generate_until_stops_and_batches(lm):
     assert all("e" not in text for text in batched)
     # Without a stop string: exactly the model's greedy continuation.
     prompt = lm.context_ids(contexts[0])
-    greedy = lm.model.generate([prompt], 6, greedy=True, eos_id=lm.tokenizer.eos_id)[0]
+    greedy = generate(lm.model, [prompt], 6, greedy=True, eos_id=lm.tokenizer.eos_id)[0]
     text = lm.generate_until([request("generate_until", contexts[0], {"max_gen_toks": 6})])[0]
     assert text == lm.new_text(prompt, greedy.tokens)
 

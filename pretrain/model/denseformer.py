@@ -7,61 +7,34 @@
 The training loss never forms the logits of a whole micro-batch: `loss` hands the final
 norm's output and the head weight to pretrain/model/loss.py, which works in chunks of tokens.
 
-See dwa_pattern.py for the index conventions and the DWA pattern, dwa.py for the contraction.
+See dwa_pattern.py for the index conventions and the DWA pattern, program.py for the block
+program that every forward runs (training, checkpointed, cached), dwa.py for the contraction.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import (
-    VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.layers import (
-    linear_with_grad_accumulation_and_async_allreduce,
-    set_tensor_model_parallel_attributes,
-)
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from torch import nn
 
 from parallel import groups
 from parallel.tensor import mark_sequence_parallel
+from pretrain.model import lm_parts
 from pretrain.model.config import DenseFormerConfig
-from pretrain.model.dwa import (
-    BufferedDWA,
-    DecodeDWAState,
-    PrefillDWAState,
-    depth_weighted_average,
-    storage_dtype,
-)
-from pretrain.model.dwa_pattern import DWAPattern
+from pretrain.model.dwa import storage_dtype, training_connections
+from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState
+from pretrain.model.dwa_weights import DWAWeights
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
-from pretrain.model.linear import column_linear, vocab_embedding
-from pretrain.model.loss import linear_cross_entropy
+from pretrain.model.linear import vocab_embedding
+from pretrain.model.lm_parts import lm_head, mark_tensor_parallel, megatron_config
+from pretrain.model.program import model_program, run_program
 from pretrain.model.rotary import RotaryEmbedding
-
-
-def megatron_config(tp_size: int, sequence_parallel: bool = False) -> ModelParallelConfig:
-    """megatron-core layer config: we draw weights ourselves (layout-independent init)."""
-    return ModelParallelConfig(
-        tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float32)
-
-
-def _mark_tensor_parallel(model: nn.Module) -> None:
-    """Record each sharded weight's split dim (megatron sets it only when it inits weights)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    for module in model.modules():
-        dim = next((d for cls, d in ((ColumnParallelLinear, 0), (RowParallelLinear, 1),
-                                     (VocabParallelEmbedding, 0)) if isinstance(module, cls)),
-                   None)
-        if dim is not None and not hasattr(module.weight, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(module.weight, True, dim, 1)
 
 
 class DenseFormer(nn.Module):
@@ -89,13 +62,17 @@ class DenseFormer(nn.Module):
         self.final_norm = norm(cfg)
         self.lm_head = lm_head(cfg, mp, self.tp_group)
         self.dwa_pattern = cfg.dwa_pattern
-        self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
+        # The blocks and their depth connections, sub-layer by sub-layer: what every forward
+        # (training, checkpointed, cached) runs (pretrain/model/program.py).
+        self.program = model_program(self.dwa_pattern)
+        self.dwa_weights = DWAWeights(self.dwa_pattern)
+        self.register_buffer("dwa_mask", self.dwa_weights.new_mask(), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
-        self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
+        self.dwa_alpha = self.dwa_weights.new_parameter()
         # Set by parallel.checkpointing.apply_activation_checkpointing: run_blocks then runs
-        # the blocks (and DWAs) in checkpointed units.
+        # the program in checkpointed units.
         self.activation_checkpointing = None
-        _mark_tensor_parallel(self)
+        mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
         self.init_weights(seed)
@@ -108,10 +85,14 @@ class DenseFormer(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """X_0: token embeddings (B, S, H)."""
-        return self.embedding(tokens)
+        return lm_parts.embed(self, tokens)
+
+    def block(self, i: int) -> Block:
+        """Block i (numbered from 1, as in docs/design.md)."""
+        return self.blocks[i - 1]
 
     def run_blocks(self, x0: torch.Tensor, functional: bool | None = None) -> torch.Tensor:
-        """Y_d from X_0: every block, each followed by its DWA (if any).
+        """Y_d from X_0: the program (every block, each followed by its DWA, if any).
 
         `functional` picks the DWA as one custom op per DWA (default under torch.compile)
         instead of the buffered one (default in eager mode); both compute the same function."""
@@ -119,35 +100,18 @@ class DenseFormer(nn.Module):
             functional = torch.compiler.is_compiling()
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing.run_blocks(self, x0, functional)
-        pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
-        buffered = None if functional or not pattern.slot else BufferedDWA(
-            pattern.layout, self.dwa_alpha, x0, storage, self.config.dwa_impl)
-        kept = {}  # j -> X_j, for the X_j that a later DWA reads
+        return run_program(self.program, self.block, self.training_connections(x0, functional),
+                           {0: x0})
 
-        def keep(j: int, x: torch.Tensor) -> torch.Tensor:
-            if j in pattern.slot:
-                x = x if buffered is None else buffered.store(j, x)
-                kept[j] = x
-            return x
-
-        y = keep(0, x0)
-        for i, block in enumerate(self.blocks, start=1):
-            x = keep(i, block(y))
-            js = pattern.inputs.get(i)
-            if js is None:
-                y = x
-            elif buffered is None:
-                y = depth_weighted_average(self.dwa_alpha[pattern.layout.weights_index[i]],
-                                           [kept[j] for j in js], storage, diagonal=True,
-                                           impl=self.config.dwa_impl)
-            else:
-                y = buffered.combine(i, [kept[j] for j in js], live=x)
-        return y
+    def training_connections(self, like: torch.Tensor, functional: bool):
+        """The DWA state of one training forward pass (pretrain/model/dwa.py)."""
+        return training_connections(self.dwa_pattern.layout, self.dwa_alpha, like, functional,
+                                    storage_dtype(self.config.dwa_dtype), self.config.dwa_impl)
 
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head's (V / TP, H) shard: the embedding's, or the untied `lm_head`'s."""
-        return self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return lm_parts.head_weight(self)
 
     def local_logits(self, y: torch.Tensor) -> torch.Tensor:
         """This TP rank's vocabulary shard of the logits (B, S, V / TP), padding masked."""
@@ -186,10 +150,7 @@ class DenseFormer(nn.Module):
                   targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of the LM head on the final norm's output `h` (B, S, H), or
         (S / TP, B, H) under sequence parallelism; the logits exist a chunk at a time."""
-        return linear_cross_entropy(
-            h, head_weight, targets, vocab_size=self.config.vocab_size, tp_group=self.tp_group,
-            sequence_parallel=self.sequence_parallel,
-            chunk_tokens=self.config.loss_chunk_tokens)
+        return lm_parts.head_loss(self, h, head_weight, targets)
 
     # -- inference with a KV cache (pretrain/generation.py drives it) ----------------------
 
@@ -204,92 +165,27 @@ class DenseFormer(nn.Module):
         decoding step) uses the cache's fixed `DecodeDWAState`."""
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
+        weights = self.dwa_weights.per_dwa(self.dwa_alpha)
         if tokens.shape[1] > 1 or not pattern.slot:
-            dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in self._dwa_weights()},
-                                  storage)
+            dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in weights}, storage)
         else:
             if cache.dwa_decode is None:
-                cache.dwa_decode = DecodeDWAState(pattern, dict(self._dwa_weights()), x0,
-                                                  storage, self.config.dwa_impl)
+                cache.dwa_decode = DecodeDWAState(pattern, dict(weights), x0, storage,
+                                                  self.config.dwa_impl)
             dwa = cache.dwa_decode
-        dwa.keep(0, x0)
-        y = x0
-        for i, block in enumerate(self.blocks, start=1):
-            x = block(y, cache.layers[i - 1])
-            dwa.keep(i, x)
-            y = dwa.combine(i, x) if pattern.has_dwa(i) else x
+        y = run_program(self.program, self.block, dwa, {0: x0}, kv=cache.layers)
         return self.head(y[:, -1:] if last_only else y)
-
-    def _dwa_weights(self):
-        """(i, alpha[i, j] for j in S_i) for every DWA, detached."""
-        for i, js in self.dwa_pattern.inputs.items():
-            yield i, self.dwa_alpha[i - 1, list(js)].detach()
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None, **options):
-        """Continue each prompt (token ids); see `pretrain.generation.generate`."""
-        from pretrain.generation import generate
-
-        return generate(self, prompts, max_new_tokens, **options)
 
     # -- analysis ------------------------------------------------------------------------
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Learned parameters on this rank (alphas outside the DWA pattern not counted)."""
-        n = sum(p.numel() for p in self.parameters())
-        if self.dwa_alpha is not None:
-            n -= self.dwa_alpha.numel() - self.dwa_pattern.n_connections
-        if non_embedding:
-            for module in (self.embedding, self.lm_head):
-                n -= 0 if module is None else module.weight.numel()
-        return n
+        return lm_parts.num_params(self, non_embedding)
 
     def dwa_matrix(self) -> torch.Tensor:
         """alpha as a dense (d, d + 1) float tensor; identity rows for blocks without DWA."""
-        d = self.config.n_layers
-        matrix = torch.zeros(d, d + 1)
-        if self.dwa_alpha is not None:
-            matrix.copy_(self.dwa_alpha.detach().float().cpu())
-        for i in range(1, d + 1):
-            if not self.dwa_pattern.has_dwa(i):
-                matrix[i - 1, i] = 1.0
-        return matrix
+        return self.dwa_weights.matrix(self.dwa_alpha)
 
-    @torch.no_grad()
     def load_dwa_matrix(self, matrix: torch.Tensor) -> None:
         """Set alpha from a dense (d, d + 1) matrix; raise if it leaves the pattern."""
-        d = self.config.n_layers
-        matrix = torch.as_tensor(matrix, dtype=torch.float32)
-        if matrix.shape != (d, d + 1):
-            raise ValueError(f"DWA matrix must have shape {(d, d + 1)}, got {tuple(matrix.shape)}")
-        live = self.dwa_mask.cpu()
-        expected_fixed = self.dwa_matrix() * ~live
-        outside = (matrix * ~live - expected_fixed).abs() > 0
-        if outside.any():
-            i, j = outside.nonzero()[0].tolist()
-            raise ValueError(
-                f"DWA matrix puts weight {matrix[i, j].item():g} at row {i} (block {i + 1}), "
-                f"column {j} (X_{j}), outside the {self.config.dwa_dilation}x"
-                f"{self.config.dwa_period} pattern")
-        if self.dwa_alpha is not None:
-            self.dwa_alpha.copy_(matrix * live)
-
-
-def lm_head(cfg: DenseFormerConfig, mp: ModelParallelConfig, tp_group) -> nn.Module | None:
-    """The untied LM head, vocabulary-parallel like the embedding (rows V / TP per rank), or
-    None when the head is the embedding's transpose (model.tie_embeddings)."""
-    if cfg.tie_embeddings:
-        return None
-    return column_linear(cfg.d_model, cfg.padded_vocab_size, mp, tp_group)
-
-
-def dwa_mask_tensor(pattern: DWAPattern) -> torch.Tensor:
-    """The pattern's (d, d + 1) live alpha entries as a boolean tensor."""
-    return torch.tensor(pattern.mask(), dtype=torch.bool, device="cpu")
-
-
-def dwa_alpha_parameter(pattern: DWAPattern) -> nn.Parameter | None:
-    """The full alpha matrix at its initial value; None when no block has a DWA."""
-    if not pattern.inputs:
-        return None
-    return nn.Parameter(torch.tensor(pattern.initial_alpha(), device="cpu"))
-
+        self.dwa_weights.load(self.dwa_alpha, self.dwa_mask, matrix)

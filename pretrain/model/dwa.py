@@ -33,14 +33,12 @@ the buffers (`dwa_block`), that DWA's diagonal is read from storage too.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 
 import torch
 
 from pretrain.model.dwa_impl import dwa_ops
 from pretrain.model.dwa_layout import BufferLayout
 from pretrain.model.dwa_op import functional_dwa
-from pretrain.model.dwa_pattern import DWAPattern
 
 
 def storage_dtype(dwa_dtype: str) -> torch.dtype | None:
@@ -48,7 +46,7 @@ def storage_dtype(dwa_dtype: str) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16}[dwa_dtype]
 
 
-def _stream_precision(x: torch.Tensor):
+def stream_precision(x: torch.Tensor):
     """No autocast inside a DWA: it mixes residual-stream tensors, kept in their own dtype
     (autocast would round the fp32 stream to bf16 in the matrix-vector product)."""
     return torch.autocast(x.device.type, enabled=False)
@@ -198,7 +196,7 @@ class Combine(torch.autograd.Function):
             buffers.live_diagonal.add(c)
             stop -= 1
         values = buffers.values[r]
-        with _stream_precision(values):
+        with stream_precision(values):
             y = buffers.ops.weighted_rows(values[start:stop].flatten(1), weights, live)
             return y.view(values.shape[1:])
 
@@ -264,6 +262,18 @@ class BufferedDWA:
         """A copy of the stored X_j (`handle`: its `store` result, or a stand-in)."""
         return ReadStored.apply(self.buffers, j, handle)
 
+    # The connection state of a block program (pretrain/model/program.py `Connections`).
+
+    def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """X_j through `store`: the stream and the DWAs that read it take the result."""
+        x = self.store(j, x)
+        return x, x
+
+    def mix(self, source, handles: list[torch.Tensor], live: torch.Tensor | None
+            ) -> torch.Tensor:
+        """The terms of a `dwa` source (consumer `source.index` of the layout)."""
+        return self.combine(source.index, handles, live)
+
 
 def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
                            storage_dtype: torch.dtype | None = None, diagonal: bool = False,
@@ -277,85 +287,35 @@ def depth_weighted_average(weights: torch.Tensor, xs: list[torch.Tensor],
     if storage_dtype is not None and storage_dtype != dtype:
         live = xs[-1:] if diagonal else []
         xs = [x.to(storage_dtype) for x in xs[:len(xs) - len(live)]] + live
-    with _stream_precision(xs[-1]):
+    with stream_precision(xs[-1]):
         return functional_dwa(xs, weights.to(dtype), impl)
 
 
-# -- inference: the DWA state of a cached forward (pretrain/generation.py drives it) ----------
-#
-# A DWA mixes block outputs of the same token, so a cached forward over new tokens needs only
-# those tokens' X_j, never past tokens' (their keys and values are in the KV cache).
+class FunctionalDWA:
+    """The DWAs of one forward pass as `depth_weighted_average` over the X_j themselves (the
+    connection state a block program runs under torch.compile, which keeps each DWA in its
+    graph); the same function as `BufferedDWA`."""
 
-
-class PrefillDWAState:
-    """The X_j of a cached forward over many tokens (a prompt), each dropped as soon as the
-    last DWA that reads it (`DWAPattern.last_reader`) has run, so that no block output is
-    kept longer than the pattern needs. `weights[i]`: alpha[i, j] for j in S_i, as floats.
-    The X_j are kept in `storage_dtype` (None: as given), as training stores them."""
-
-    def __init__(self, pattern: DWAPattern, weights: Mapping[int, list[float]],
-                 storage_dtype: torch.dtype | None = None):
-        self.pattern, self.weights, self.storage_dtype = pattern, weights, storage_dtype
-        self.kept: dict[int, torch.Tensor] = {}
-        self.peak = 0  # the most X_j held at once, for tests
-
-    def keep(self, j: int, x: torch.Tensor) -> None:
-        if j in self.pattern.slot:
-            self.kept[j] = x if self.storage_dtype is None else x.to(self.storage_dtype)
-            self.peak = max(self.peak, len(self.kept))
-
-    def combine(self, i: int, live: torch.Tensor) -> torch.Tensor:
-        """Y_i, summed in place into a new tensor (no stacked copy of the X_j); the diagonal
-        term takes `live`, X_i as the block gave it."""
-        js = self.pattern.inputs[i]
-        xs = [live if j == i else self.kept[j] for j in js]
-        with _stream_precision(live):
-            y = xs[0].to(live.dtype) * self.weights[i][0]
-            for x, w in zip(xs[1:], self.weights[i][1:], strict=True):
-                y.add_(x, alpha=w)  # in the stream's dtype, whatever x's
-        for j in js:
-            if self.pattern.last_reader[j] == i:
-                del self.kept[j]
-        return y
-
-
-class DecodeDWAState:
-    """The DWA state of one decoding step: per residue class a buffer (n_r, B, 1, H) of the
-    current tokens' X_j that later DWAs of the step read, in `DWAPattern.slot` order, written
-    again every step; so it holds exactly `len(pattern.stored)` tensors of one token per
-    sequence, in `storage_dtype` (None: `like`'s). `weights[i]`: alpha[i, j] for j in S_i
-    as a tensor, made once."""
-
-    def __init__(self, pattern: DWAPattern, weights: Mapping[int, torch.Tensor],
-                 like: torch.Tensor, storage_dtype: torch.dtype | None = None,
+    def __init__(self, alpha: torch.Tensor | None, storage_dtype: torch.dtype | None = None,
                  impl: str = "auto"):
-        self.pattern = pattern
-        self.ops = dwa_ops(impl, like.device)
-        dtype = storage_dtype or like.dtype
-        self.values = {r: like.new_empty((n, *like.shape), dtype=dtype)
-                       for r, n in pattern.class_sizes.items()}
-        self.weights = {i: w.to(like.dtype) for i, w in weights.items()}
+        self.alpha, self.storage_dtype, self.impl = alpha, storage_dtype, impl
 
-    @property
-    def num_tensors(self) -> int:
-        return sum(v.shape[0] for v in self.values.values())
+    def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
 
-    @property
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in self.values.values())
+    def mix(self, source, handles: list[torch.Tensor], live: torch.Tensor | None
+            ) -> torch.Tensor:
+        """alpha[c, j] X_j summed over the terms j of a `dwa` source of consumer c."""
+        return depth_weighted_average(self.alpha[source.alpha_index], handles,
+                                      self.storage_dtype, diagonal=source.terms[-1] == source.index,
+                                      impl=self.impl)
 
-    def keep(self, j: int, x: torch.Tensor) -> None:
-        slot = self.pattern.slot.get(j)
-        if slot is not None:
-            self.values[slot[0]][slot[1]].copy_(x)
 
-    def combine(self, i: int, live: torch.Tensor) -> torch.Tensor:
-        """Y_i: one matrix-vector product over the slice of its class (the diagonal term
-        from `live` when the slice is stored in another dtype)."""
-        r, start, stop = self.pattern.reads[i]
-        narrow = self.values[r].dtype != live.dtype
-        values = self.values[r]
-        with _stream_precision(values):
-            y = self.ops.weighted_rows(values[start:stop - narrow].flatten(1), self.weights[i],
-                                       live if narrow else None)
-            return y.view(values.shape[1:])
+def training_connections(layout: BufferLayout, alpha: torch.Tensor | None, like: torch.Tensor,
+                         functional: bool, storage_dtype: torch.dtype | None = None,
+                         impl: str = "auto") -> BufferedDWA | FunctionalDWA:
+    """The connection state of one training forward pass: buffered (eager) unless
+    `functional` (under torch.compile) or no DWA reads a stored X_j."""
+    if functional or not layout.slot:
+        return FunctionalDWA(alpha, storage_dtype, impl)
+    return BufferedDWA(layout, alpha, like, storage_dtype, impl)

@@ -133,9 +133,18 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
         """X_i from Y_{i-1}; `kv` (inference only): this block's KV cache, see Attention."""
+        return self.mlp_sublayer(self.attention_sublayer(x, kv))
+
+    # The two sub-layers, which a block program (pretrain/model/program.py) runs one by one
+    # when a depth connection sits between them.
+
+    def attention_sublayer(self, x: torch.Tensor, kv=None) -> torch.Tensor:
+        """H_i = Y_{i-1} + Attn(N(Y_{i-1})) (each term with its gain under `skip_gains`)."""
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
-        attn = self.attn(self.norm_attn(x), self.rope, kv)
-        h = skip + self._dropout(attn)
+        return skip + self._dropout(self.attn(self.norm_attn(x), self.rope, kv))
+
+    def mlp_sublayer(self, h: torch.Tensor) -> torch.Tensor:
+        """X_i = H_i + MLP(N(H_i))."""
         skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
         return skip + self._dropout(self.mlp(self.norm_mlp(h)))
 
