@@ -115,11 +115,13 @@ class StageProgram:
         `drops`, per source the held X_j no later source reads (dropped once it is
         formed); `block_steps[i]`, [start, stop) of block i's steps."""
         sources = tuple(step.input for step in self.steps) + self.outgoing_sources
-        before = [("x", self.first - 1)] + [step.output for step in self.steps]
+        # The stream (the latest output) as each source is formed.
+        stream = [("x", self.first - 1)] + [step.output for step in self.steps]
+        stream += stream[-1:] * (len(self.outgoing_sources) - 1)
         reads = []
         for n, src in enumerate(sources):
             if src.kind == "x":
-                reads.append(() if before[n] == ("x", src.index) else (src.index,))
+                reads.append(() if stream[n] == ("x", src.index) else (src.index,))
             else:
                 reads.append(() if src.kind == "h" else src.terms)
         last = {j: n for n, js in enumerate(reads) for j in js}
