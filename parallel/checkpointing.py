@@ -145,11 +145,8 @@ class _UnitRunner:
             if self.recorder is not None:
                 self.recorder.append((unit, inputs))
             outputs = checkpoint(unit, *inputs, use_reentrant=False)
-            for n in range(start + (not recompute), stop):
-                for j in program.drops[n]:
-                    self.outer.held.pop(j, None)
-            self.outer.held.update(zip(produced, outputs[1:], strict=True))
-            self.outer.stream, self.outer.at = outputs[0], ("x", b)
+            self.outer.skip(start, stop, outputs[0], dict(zip(produced, outputs[1:],
+                                                              strict=True)))
         return self.outer.outputs()[0]
 
     def _reads(self, start: int, stop: int, recompute: bool) -> list[int]:

@@ -308,6 +308,16 @@ class ProgramRun:
             self.keep(steps[n].output, self.layer(steps[n], y))
         return self.stream
 
+    def skip(self, start: int, stop: int, stream: torch.Tensor,
+             produced: Mapping[int, object]) -> None:
+        """Steps [start, stop) ran elsewhere (a checkpoint unit) and gave `stream` and the
+        handles of the `produced` X_j that later sources read: continue after them."""
+        for n in range(start, stop):
+            for j in self.program.drops[n]:
+                self.held.pop(j, None)
+        self.held.update(produced)
+        self.stream, self.at = stream, self.program.steps[stop - 1].output
+
     def layer(self, step: Step, y: torch.Tensor) -> torch.Tensor:
         block = self.block(step.block)
         kv = None if self.kv is None else self.kv[step.block - 1]
