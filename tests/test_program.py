@@ -246,3 +246,27 @@ def test_block_sub_layers_compose_to_the_block_bit_for_bit(skip_gains, block):
         torch.manual_seed(6)
         parts = layer.mlp_sublayer(layer.attention_sublayer(y))
         assert torch.equal(whole, parts)
+
+
+def test_a_stage_model_of_the_whole_program_is_the_model():
+    """StageModel over the one stage 1..d holds DenseFormer's parameters under the same
+    names, shares its code (no method borrowed), and gives its loss."""
+    from parallel.stage_model import StageModel, StageModule
+    from pretrain.model import DenseFormer, DenseFormerConfig
+
+    cfg = DenseFormerConfig(n_layers=5, d_model=16, n_heads=2, vocab_size=64, seq_len=8,
+                            dwa_dilation=2, dwa_period=2, tie_embeddings=False)
+    model = DenseFormer(cfg, seed=7)
+    stage = StageModel(cfg, [model_program(cfg.dwa_pattern)], seed=7)
+    ours, theirs = dict(stage.named_parameters()), dict(model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert stage.num_params() == model.num_params()
+    assert stage.num_params(non_embedding=True) == model.num_params(non_embedding=True)
+    assert torch.equal(stage.dwa_matrix(), model.dwa_matrix())
+    for name in ("embed", "head_loss", "num_params", "dwa_matrix", "load_dwa_matrix"):
+        assert vars(StageModel)[name] is not vars(DenseFormer).get(name), name
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(8))
+    h, weight = StageModule(stage, stage.programs[0])(tokens[:, :-1])
+    torch.testing.assert_close(stage.head_loss(h, weight, tokens[:, 1:]),
+                               model.loss(tokens[:, :-1], tokens[:, 1:]), rtol=0, atol=0)
