@@ -21,6 +21,10 @@ contraction, tested against each other and a naive loop:
   a custom op for the Triton kernels), used under torch.compile, which keeps it in its
   graph.
 
+`BufferedDWA` and `FunctionalDWA` are the connection states that the block program's
+interpreter (program.py) runs in training (`training_connections` picks one per forward
+pass); the states of a cached forward are in dwa_inference.py.
+
 Storage dtype (`model.dwa_dtype`): the stored X_j, and in backward the DWAs' output-gradient
 rows, may be kept in bf16 while the residual stream is fp32. Sums are always fp32, and the
 diagonal term alpha[i, i] X_i of the DWA after block i uses the live X_i wherever the
