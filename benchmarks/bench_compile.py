@@ -28,7 +28,7 @@ MODES = ("none", "blocks", "model")
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from parallel.layout import setup_layout
+    from parallel.primitives.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine
 

@@ -34,7 +34,7 @@ from host_memory import status_kib  # noqa: E402
 def _engine(args: argparse.Namespace, mode: str):
     import torch
 
-    from parallel.layout import setup_layout
+    from parallel.primitives.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine
 

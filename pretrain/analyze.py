@@ -157,7 +157,7 @@ def collect(args: argparse.Namespace) -> tuple[torch.nn.Module, list[tuple[int |
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out."""
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.dwa_plots import heatmap_name, write_dwa_grid, write_dwa_heatmap
 
     out = Path(args.out)

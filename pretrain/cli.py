@@ -63,7 +63,7 @@ def cmd_train(args) -> int:
         with StopRequest() as stop, distributed_session():
             return run_training(cfg, stop)
     except RuntimeError as err:  # a peer that is gone: one line instead of gloo's traceback
-        from parallel.groups import peer_lost
+        from parallel.primitives.groups import peer_lost
 
         line = peer_lost(err, cfg.parallel.timeout_s)
         if line is None:
@@ -95,7 +95,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain import checkpoint, sharded_checkpoint
     from pretrain.config import ConfigError, load_config
     from pretrain.evaluate import evaluate

@@ -4,11 +4,11 @@ An `Engine` is two independent choices, made once by `build_engine`:
 
 - the **forward** runs the micro-batches of a step: the whole model on this rank
   (`LocalForward`, tensor-parallel shards inside it) or this rank's pipeline stages under
-  their schedule (`PipelineForward`, parallel/pipeline.py);
+  their schedule (`PipelineForward`, parallel/strategies/pipeline.py);
 - the **update** turns the accumulated gradients into new weights: our AdamW with the
-  data-parallel mean taken by torch's DDP during the backward (parallel/ddp.py) or, with
+  data-parallel mean taken by torch's DDP during the backward (parallel/strategies/ddp.py) or, with
   `parallel.dp_reduction: flat`, in one all-reduce after it (`AdamWUpdate`), or DeepSpeed's
-  ZeRO engine, which reduces, clips and steps itself (`ZeroUpdate`, parallel/zero.py).
+  ZeRO engine, which reduces, clips and steps itself (`ZeroUpdate`, parallel/strategies/zero.py).
 
 The trainer calls `forward_backward`, `update`, `eval_model`, `sharded_state` and
 `load_sharded_state` and never asks which combination it holds. State goes in and out under
@@ -27,20 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compile import apply_compile
-from parallel.compile_choice import compile_mode
-from parallel.ddp import BUCKET_CAP_MB
-from parallel.layout import Layout, average_gradients, gradient_norm
-from parallel.tensor import allreduce_sequence_parallel_grads
+from parallel.primitives.layout import Layout, average_gradients, gradient_norm
+from parallel.primitives.tensor import allreduce_sequence_parallel_grads
+from parallel.strategies.compile import apply_compile
+from parallel.strategies.compile_choice import compile_mode
+from parallel.strategies.ddp import BUCKET_CAP_MB
 from pretrain.optim import is_fused, step_if_finite
 
 
 class AdamWUpdate:
     """Our AdamW: DP mean of the gradients, global norm, clipping, a step unless non-finite.
 
-    The DP mean is taken during the backward by torch DDP when `ddp` (a `parallel.ddp.DDPLoss`
-    the micro-batches run through) is given or `reduced_in_backward` says the pipeline's
-    stages are DDP modules; otherwise here, in one flat all-reduce after the backward."""
+    The DP mean is taken during the backward by torch DDP when `ddp` (a
+    `parallel.strategies.ddp.DDPLoss` the micro-batches run through) is given or
+    `reduced_in_backward` says the pipeline's stages are DDP modules; otherwise here, in one
+    flat all-reduce after the backward."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
                  grad_clip: float, ddp=None, reduced_in_backward: bool = False):
@@ -101,7 +102,7 @@ class AdamWUpdate:
 class ZeroUpdate:
     """DeepSpeed's ZeRO engine: it scales, reduces over DP, clips and steps itself."""
 
-    def __init__(self, zero):  # parallel.zero.ZeroEngine
+    def __init__(self, zero):  # parallel.strategies.zero.ZeroEngine
         self.zero = zero
 
     @property
@@ -161,7 +162,7 @@ class LocalForward:
 class PipelineForward:
     """This rank's stages: the schedule runs the micro-batches and the backward."""
 
-    def __init__(self, runner):  # parallel.pipeline.PipelineRunner
+    def __init__(self, runner):  # parallel.strategies.pipeline.PipelineRunner
         self.runner = runner
 
     def forward_backward(self, tokens, targets, microbatches: int, update) -> torch.Tensor:
@@ -183,7 +184,8 @@ class Engine:
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.forward, self.update_rule = forward, update
         self.reduction = reduction  # dp_reduction's answer
-        self.compiled = compiled  # (train.compile's mode, why: parallel/compile_choice.py)
+        # (train.compile's mode, why: parallel/strategies/compile_choice.py)
+        self.compiled = compiled
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -254,7 +256,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     compiled = compile_mode(cfg, layout.device.type)
     ddp = None
     if layout.pp > 1:
-        from parallel.pipeline import PipelineRunner
+        from parallel.strategies.pipeline import PipelineRunner
 
         local_batch = cfg.train.batch_size // layout.dp
         runner = PipelineRunner(
@@ -267,7 +269,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model, forward = runner.model, PipelineForward(runner)
         apply_compile(model, compiled[0], cfg.train.compile_backend)
     else:
-        from parallel.checkpointing import apply_activation_checkpointing
+        from parallel.strategies.checkpointing import apply_activation_checkpointing
         from pretrain.model import DenseFormer
 
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
@@ -276,12 +278,12 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         apply_compile(model, compiled[0], cfg.train.compile_backend)
         forward = LocalForward(model)
         if reduction == "ddp":
-            from parallel.ddp import DDPLoss
+            from parallel.strategies.ddp import DDPLoss
 
             ddp = DDPLoss(model, layout.dp_group)
     optimizer = build_optimizer(model, cfg.optim)
     if p.zero_stage:
-        from parallel.zero import ZeroEngine
+        from parallel.strategies.zero import ZeroEngine
 
         update = ZeroUpdate(ZeroEngine(model, optimizer, cfg, dtype=dtype))
     else:
@@ -294,7 +296,7 @@ def dp_reduction(cfg, layout: Layout) -> str:
     """How this run averages gradients over data parallelism: "ddp" (torch DDP, during the
     backward), "flat" (one all-reduce after it), "zero" (DeepSpeed) or "none" (DP = 1).
     `parallel.dp_reduction: ddp` falls back to flat for interleaved pipeline stages, whose
-    stage modules share parameters (parallel/ddp.py)."""
+    stage modules share parameters (parallel/strategies/ddp.py)."""
     p = cfg.parallel
     if p.zero_stage:
         return "zero"

@@ -35,7 +35,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None
                ) -> tuple[torch.nn.Module, Tokenizer]:
     """(model in eval mode on `device` (default: this rank's GPU, else the CPU), tokenizer)
     from a run directory, a native checkpoint or an exported directory."""
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.model.denseformer import DenseFormer
     from pretrain.model.state import load_full_model_state
 
@@ -66,7 +66,7 @@ def _initialize_groups(shape: DenseFormerConfig) -> None:
     """A 1-rank world in a plain session; under torchrun, TP over every rank."""
     import torch.distributed as dist
 
-    from parallel import groups
+    from parallel.primitives import groups
 
     tp = None
     if not dist.is_initialized():

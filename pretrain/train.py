@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.progress import progress_bar, write_line
-from parallel import groups
-from parallel.layout import Layout, setup_layout
-from parallel.microbatch_fit import resolve_microbatches
+from parallel.primitives import groups
+from parallel.primitives.layout import Layout, setup_layout
+from parallel.strategies.microbatch_fit import resolve_microbatches
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
@@ -78,7 +78,8 @@ class Trainer:
         # config, not a mutation.
         model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)
         cfg = dataclasses.replace(cfg, model=model)
-        # parallel.microbatches: auto -> a count that fits the device (parallel/microbatch_fit.py)
+        # parallel.microbatches: auto -> a count that fits the device
+        # (parallel/strategies/microbatch_fit.py)
         cfg, microbatch_line = resolve_microbatches(cfg, layout)
         self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
         self.cfg = cfg

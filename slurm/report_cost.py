@@ -4,8 +4,9 @@ Measured (each run's own metrics, medians over its steps after the first two): t
 second, the step time it implies (batch x seq_len / tokens per second) and MFU; and when the
 sweep had `inference:`, generation speed (prefill and decode tokens per second,
 slurm/inference_speed.py). Estimated
-from the run's resolved config (`parallel.memory`, `parallel.inference_memory`, the same
-estimators as `python -m parallel.memory`): training memory of the fullest rank without and
+from the run's resolved config (`parallel.strategies.memory`,
+`parallel.strategies.inference_memory`, the same estimators as
+`python -m parallel.strategies.memory`): training memory of the fullest rank without and
 with block activation checkpointing, and for generation at batch 1 and the full context the
 KV cache and the DWA state a decode step keeps.
 """
@@ -72,8 +73,8 @@ def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
     if model is None:
         cost.note = "vocabulary unknown (data not on this machine): no memory estimate"
         return cost
-    from parallel.inference_memory import estimate_inference
-    from parallel.memory import estimate, local_parameters
+    from parallel.strategies.inference_memory import estimate_inference
+    from parallel.strategies.memory import estimate, local_parameters
 
     device = "cuda" if cfg.train.device == "cuda" else "cpu"
     for mode in ("none", "block"):
@@ -115,7 +116,8 @@ def cost_section(runs: list[StudyRun], peak: StudyPeak) -> tuple[str, dict]:
     html = section(
         "Cost",
         paragraph("Measured: medians over each run's steps (the first two left out). "
-                  "Estimated (parallel.memory, parallel.inference_memory) from the run's "
+                  "Estimated (parallel.strategies.memory, parallel.strategies.inference_memory) "
+                  "from the run's "
                   "config at one data-parallel rank: training memory of the fullest rank "
                   "without and with block activation checkpointing; for generation at batch "
                   "1 and the full context, the KV cache and the DWA state of a decode step. "

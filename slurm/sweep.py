@@ -61,7 +61,8 @@ def format_table(sweep: Sweep) -> str:
                          f"(train.init_from={sweep.runs[run.depends_on].config.run.dir})")
     lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
                  "C = 6 N D FLOPs; mem/rank: an estimate of the fullest rank (python -m "
-                 "parallel.memory: weights, gradients, AdamW, activations), n/a until the "
+                 "parallel.strategies.memory: weights, gradients, AdamW, activations), n/a until "
+                 "the "
                  "vocabulary is known")
     return "\n".join(lines)
 

@@ -191,7 +191,7 @@ class RunContext:
                shape: dict[str, Any]) -> RunSpec:
         """The run of `target_tokens` (rounded to whole steps) with its name, run dir,
         tracking, seed and warm-up set, validated, with N, D, C and its memory estimate."""
-        from parallel.memory import estimate as estimate_memory
+        from parallel.strategies.memory import estimate as estimate_memory
         from pretrain.config import ConfigError, validate
 
         tokens_per_step = cfg.train.batch_size * model.seq_len

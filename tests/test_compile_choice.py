@@ -1,12 +1,12 @@
-"""train.compile: auto (parallel/compile_choice.py): the mode each layout and device gets,
-the default, and how the config command prints it."""
+"""train.compile: auto (parallel/strategies/compile_choice.py): the mode each layout and device
+gets, the default, and how the config command prints it."""
 
 import subprocess
 import sys
 
 import pytest
 
-from parallel.compile_choice import compile_mode
+from parallel.strategies.compile_choice import compile_mode
 from pretrain.config import load_config
 from tests.conftest import ROOT, cli_env
 

@@ -135,7 +135,7 @@ def test_the_cycle_finder_finds_a_cycle_through_a_deferred_import():
     graph = {"a": {"b": 1}, "b": {"c": 3}, "c": {"a": 7}, "d": {"a": 2}}
     assert cycles(graph) == [["a", "b", "c"]]
     modules = project_modules()
-    edges = imports("parallel.plan", modules["parallel.plan"], modules)
+    edges = imports("parallel.strategies.plan", modules["parallel.strategies.plan"], modules)
     assert "pretrain.model.config" in edges  # a top-level import is seen
 
 

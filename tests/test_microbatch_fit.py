@@ -1,5 +1,5 @@
-"""parallel.microbatches: auto (parallel/microbatch_fit.py): the fewest micro-batches whose
-estimated peak fits 85% of the free memory, counts that suit the batch and the schedule, and
+"""parallel.microbatches: auto (parallel/strategies/microbatch_fit.py): the fewest micro-batches
+whose estimated peak fits 85% of the free memory, counts that suit the batch and the schedule, and
 a config error naming the key on a CPU or when nothing fits."""
 
 import subprocess
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from parallel.microbatch_fit import (
+from parallel.strategies.microbatch_fit import (
     FILL,
     candidates,
     estimated_peak,

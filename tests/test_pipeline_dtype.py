@@ -50,8 +50,8 @@ def test_bf16_boundaries_halve_the_traffic_within_the_stated_tolerance():
 
 
 def test_plan_and_estimator_count_the_boundary_dtype():
-    from parallel.memory import estimate
-    from parallel.plan import boundary_dtype_bytes
+    from parallel.strategies.memory import estimate
+    from parallel.strategies.plan import boundary_dtype_bytes
     from pretrain.config import load_config
 
     def cfg(*extra: str):

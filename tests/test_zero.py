@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (parallel/zero.py) reproduces the plain single-process AdamW run.
+"""DeepSpeed ZeRO (parallel/strategies/zero.py) reproduces the plain single-process AdamW run.
 
 The reference is computed in this test process: one rank, the whole global batch, the
 trainer's recipe (loss / micro-batches, global-norm clipping, torch AdamW with our decay
@@ -48,7 +48,7 @@ def lr(cfg, step: int) -> float:
 
 
 def build(cfg):
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
 
@@ -85,7 +85,7 @@ def zero_steps(zero, cfg, first: int, last: int, external: bool = False) -> list
     """Steps first..last through the engine on this rank's DP slice; the norms."""
     from megatron.core import parallel_state as ps
 
-    from parallel.tensor import allreduce_sequence_parallel_grads
+    from parallel.primitives.tensor import allreduce_sequence_parallel_grads
 
     data, seq, micro = batches(cfg), cfg.model.seq_len, cfg.parallel.microbatches
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -104,7 +104,7 @@ def zero_steps(zero, cfg, first: int, last: int, external: bool = False) -> list
 
 def zero_run(stage: int, overrides: tuple[str, ...] = (), dtype=torch.float32,
              external: bool = False):
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
 
     cfg = config(f"parallel.zero_stage={stage}", *overrides)
     model, optimizer = build(cfg)
@@ -126,7 +126,7 @@ def eval_loss(model) -> float:
 def zero3_eval_loss() -> float:
     """After 3 ZeRO-3 steps, the trainer's validation path: the engine's module, whose
     hooks gather the partitioned weights."""
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
 
     cfg = config("parallel.zero_stage=3")
     model, optimizer = build(cfg)
@@ -137,7 +137,7 @@ def zero3_eval_loss() -> float:
 
 def zero_resumed_run(stage: int, saved_at: int = 2):
     """Steps 1..saved_at, full state out, a fresh engine loads it and runs to STEPS."""
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
 
     cfg = config(f"parallel.zero_stage={stage}")
     model, optimizer = build(cfg)
@@ -155,7 +155,7 @@ def zero_resumed_run(stage: int, saved_at: int = 2):
 def deepspeed_links_state_late() -> bool:
     """Whether DeepSpeed still leaves the second param group's AdamW state unlinked after
     the first update (the bug `deepspeed_compat.relink_optimizer_state` works around)."""
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
 
     cfg = config("parallel.zero_stage=1")
     model, optimizer = build(cfg)
@@ -258,7 +258,7 @@ def initial_params():
 
 
 def test_deepspeed_config_is_built_from_ours():
-    from parallel.zero import deepspeed_config
+    from parallel.strategies.zero import deepspeed_config
 
     cfg = config("parallel.zero_stage=2", "optim.grad_clip=0.7", "train.batch_size=16",
                  "parallel.microbatches=4")
@@ -276,7 +276,7 @@ def test_deepspeed_config_is_built_from_ours():
 
 def test_zero_engine_is_only_for_stages_1_to_3():
     """zero_stage 0 trains without DeepSpeed (pretrain/engine.py's AdamWUpdate)."""
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
 
     with pytest.raises(ValueError, match="zero_stage 1, 2 or 3, got 0"):
         ZeroEngine(torch.nn.Linear(2, 2), None, config("parallel.zero_stage=0"))
@@ -288,7 +288,7 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
     results = run_distributed_test(pure_dp_cases, world_size=2, timeout_s=400)
     for rank_result in results:
         assert rank_result["links_late"], "DeepSpeed links AdamW state in time now: drop " \
-            "parallel.deepspeed_compat.relink_optimizer_state"
+            "parallel.primitives.deepspeed_compat.relink_optimizer_state"
         for stage in (1, 2, 3):
             assert_close(rank_result[f"stage{stage}"], reference, f"ZeRO-{stage}")
             got = rank_result[f"stage{stage}-eps"]

@@ -72,9 +72,9 @@ class TrainSection:
     # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
     max_consecutive_skips: int = ranged(10, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
-    # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
-    # to check a model traces without generating code. auto (parallel/compile_choice.py):
+    # torch.compile (parallel/strategies/compile.py): none, each block (DWAs eager), or the model's
+    # whole loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
+    # to check a model traces without generating code. auto (parallel/strategies/compile_choice.py):
     # model or blocks on CUDA, none on CPU and with ZeRO-3.
     compile: Literal["auto", "none", "blocks", "model"] = "auto"
     compile_backend: str = "inductor"
@@ -85,14 +85,15 @@ class ParallelSection:
     tp: int = ranged(1, ge=1, also="divides model.n_heads and the padded vocabulary")
     pp: int = ranged(1, ge=1, also="<= model.n_layers")
     # Per data-parallel rank per step (= gradient accumulation). auto: the fewest whose
-    # size fits the GPU, from its free memory and the estimator (parallel/microbatch_fit.py).
+    # size fits the GPU, from its free memory and the estimator
+    # (parallel/strategies/microbatch_fit.py).
     microbatches: int | Literal["auto"] = ranged(
         1, ge=1, also="divides train.batch_size; with virtual_stages > 1, a multiple of pp "
                       "or < 2 x pp")
     zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
     # Without ZeRO, how gradients are averaged over data parallelism: torch DDP, in buckets
     # during the backward (interleaved pipelines fall back to flat), or one flat all-reduce
-    # after the backward (parallel/ddp.py).
+    # after the backward (parallel/strategies/ddp.py).
     dp_reduction: Literal["ddp", "flat"] = "ddp"
     sequence_parallel: bool = False
     # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
@@ -104,7 +105,7 @@ class ParallelSection:
     # The dtype of the tensors crossing a stage boundary (both directions): the compute
     # dtype (bf16 under bf16 autocast: half the traffic; widened back on receipt) or fp32.
     pipeline_dtype: Literal["compute", "fp32"] = "compute"
-    # Activation checkpointing (parallel/checkpointing.py): recompute units of
+    # Activation checkpointing (parallel/strategies/checkpointing.py): recompute units of
     # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
     activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
     checkpoint_every: int = ranged(1, ge=1, also="<= model.n_layers; 1 with pp > 1")

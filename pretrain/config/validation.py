@@ -29,7 +29,7 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
     """Stage count, explicit split and micro-batch count against the pipeline schedule."""
-    from parallel.schedule import schedule_problem
+    from parallel.strategies.schedule import schedule_problem
 
     _check(p.virtual_stages == 1 or p.pp > 1, "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pp > 1 (interleaved 1F1B)")

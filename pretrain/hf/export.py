@@ -86,7 +86,7 @@ def export_hf(path: Path, out: Path) -> Path:
     import torch
     import torch.distributed as dist
 
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.hf.llama_weights import to_hf
     from pretrain.hf.modeling_denseformer import DenseFormerForCausalLM
     from pretrain.load import load_model

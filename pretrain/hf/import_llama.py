@@ -114,7 +114,7 @@ def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
 
     from data_pipeline import DataError
     from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file, load_tokenizer
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.checkpoint import Retention
     from pretrain.config import Config, config_to_dict, save_config
     from pretrain.hf.llama_weights import from_hf

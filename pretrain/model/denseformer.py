@@ -26,8 +26,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from torch import nn
 
-from parallel import groups
-from parallel.tensor import mark_sequence_parallel
+from parallel.primitives import groups
+from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import (
     BufferedDWA,
@@ -92,8 +92,8 @@ class DenseFormer(nn.Module):
         self.register_buffer("dwa_mask", dwa_mask_tensor(self.dwa_pattern), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = dwa_alpha_parameter(self.dwa_pattern)
-        # Set by parallel.checkpointing.apply_activation_checkpointing: run_blocks then runs
-        # the blocks (and DWAs) in checkpointed units.
+        # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks then
+        # runs the blocks (and DWAs) in checkpointed units.
         self.activation_checkpointing = None
         _mark_tensor_parallel(self)
         if self.sequence_parallel:

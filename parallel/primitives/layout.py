@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import groups
+from parallel.primitives import groups
 from pretrain.config import Config, ConfigError
 
 

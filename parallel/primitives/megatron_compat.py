@@ -1,9 +1,10 @@
 """Workarounds for megatron-core (0.16) behaviours that fight us, all in one place.
 
 One function per patch, each with the reason. `apply()` is called by
-`parallel.groups.ensure_initialized` before any layer is built. tests/test_megatron_compat.py
-checks that each patched behaviour is still what we patch around, so a megatron-core upgrade
-that changes it fails a test instead of silently changing results.
+`parallel.primitives.groups.ensure_initialized` before any layer is built.
+tests/test_megatron_compat.py checks that each patched behaviour is still what we patch
+around, so a megatron-core upgrade that changes it fails a test instead of silently changing
+results.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ checkpoint keeps its inputs alive, so a unit given X_j itself would hold a secon
 it; units get `after(X_j)` instead: a 0-element tensor whose backward runs after the unit's
 and before X_j's producer's, holding nothing.
 
-Under pipeline parallelism the stages run their own block loop (parallel/stage_model.py);
+Under pipeline parallelism the stages run their own block loop (parallel/strategies/stage_model.py);
 there `block` with n = 1 is available and the other modes are refused by config validation.
 """
 
@@ -66,7 +66,8 @@ class ActivationCheckpointing:
     mode: str
     every: int = 1
     # When a list, each unit's (function, inputs) is appended to it: the activation-memory
-    # probe (parallel/memory_probe.py) replays units to measure their recompute working set.
+    # probe (parallel/strategies/memory_probe.py) replays units to measure their recompute
+    # working set.
     recorder: list | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

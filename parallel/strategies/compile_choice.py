@@ -1,4 +1,4 @@
-"""`train.compile: auto`: which torch.compile mode (parallel/compile.py) a run gets.
+"""`train.compile: auto`: which torch.compile mode (parallel/strategies/compile.py) a run gets.
 
 On an H200 (2026-12-04) compiling every block took our Transformer from 24% to 33% MFU at
 micro-batch 64; compiling the whole loss also fuses the embedding, the final norm and the

@@ -1,21 +1,21 @@
 """Memory per rank from the config alone: parameters, gradients, optimizer state, activations.
 
-    python -m parallel.memory (--config FILE | --run DIR) [--set key=value ...] [--world-size N]
-        [--json] [--inference --batch B --context T [--prompt P]]
+    python -m parallel.strategies.memory (--config FILE | --run DIR) [--set key=value ...]
+        [--world-size N] [--json] [--inference --batch B --context T [--prompt P]]
 
 Pure arithmetic (no model is built, torch is not imported), fast for the paper shapes; the
 sweep dry run (`python -m slurm sweep --dry-run`) shows its largest per-rank total.
 Which X_j the DWAs keep comes from the model config's `DWAPattern` (`stored`, `inputs`).
 For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 
-- parameters, gradients and AdamW state after ZeRO partitioning (parallel/zero.py). Without
-  ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
+- parameters, gradients and AdamW state after ZeRO partitioning (parallel/strategies/zero.py).
+  Without ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
   ZeRO (DeepSpeed): parameters and gradients in the training dtype, plus an fp32 master copy
   and the two moments, 12 bytes per element of this rank's partition. Stages 1 and 2
   partition each weight-decay group's flat buffer (padded to a multiple of 2 x DP elements);
   stage 2 also the gradients; stage 3 also the parameters (each tensor split into DP pieces).
 - activations of the micro-batches in flight (one without PP; min(PP - s, M) on pipeline
-  stage s under 1F1B), per activation-checkpointing mode (parallel/checkpointing.py):
+  stage s under 1F1B), per activation-checkpointing mode (parallel/strategies/checkpointing.py):
   the stored X_j (the DWA buffers), checkpoint boundaries (unit inputs), every block's
   internals when nothing is recomputed, the LM head (the chunked loss keeps the gradients
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
@@ -33,7 +33,7 @@ that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama 
 of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
 repeats them into, and one more tensor per RMSNorm. The LM head keeps
 Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H). Checked against
-autograd (parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
+autograd (parallel/strategies/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
 the residual stream and LayerNorm inputs stay fp32 and the matmul operands are bf16; with
 DeepSpeed's bf16 everything is.
 
@@ -45,7 +45,7 @@ JSON (`--json`, stdout holds only the document):
 
 `--run DIR` reads a run directory's config.yaml instead of --config, and a null vocabulary
 from the run's tokenizer as `pretrain.load` finds it (that imports torch). `--inference`
-estimates generation instead (parallel/inference_memory.py: every rank in one TP group of
+estimates generation instead (parallel/strategies/inference_memory.py: every rank in one TP group of
 --world-size ranks, default 1): weights, KV cache, the DWA state at prefill and at decode,
 and the logits of B sequences in a context of T slots; bf16 autocast with --device cuda,
 fp32 with cpu. Its JSON:
@@ -64,8 +64,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel.inference_memory import describe_inference, estimate_inference
-from parallel.plan import (
+from parallel.strategies.inference_memory import describe_inference, estimate_inference
+from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
     config_parser,
@@ -306,7 +306,7 @@ class ActivationShape:
         return normed + stats + grad_hidden + grad_weight + ids
 
 def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[range]:
-    """Checkpoint units (parallel.checkpointing.ActivationCheckpointing.units)."""
+    """Checkpoint units (parallel.strategies.checkpointing.ActivationCheckpointing.units)."""
     blocks = blocks or range(1, n_layers + 1)
     return [range(a, min(a + every, blocks.stop)) for a in range(blocks.start, blocks.stop,
                                                                    every)]
@@ -462,7 +462,7 @@ def describe(cfg, ranks: list[RankMemory]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser("python -m parallel.memory", __doc__, run_dir=True)
+    parser = config_parser("python -m parallel.strategies.memory", __doc__, run_dir=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="what train.dtype=auto resolves to (default cuda: bf16); with "
                              "--inference, cuda is bf16 autocast and cpu fp32")

@@ -1,7 +1,7 @@
 """The pipeline plan: which blocks each (virtual) stage holds, and what crosses each boundary.
 
-    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N] [--device cuda]
-                            [--json]
+    python -m parallel.strategies.plan --config FILE [--set key=value ...] [--world-size N]
+        [--device cuda] [--json]
 
 prints the plan of a run without starting ranks: the stages, and for every boundary the
 tensors of each transfer mode and their bytes per micro-batch on one TP rank, in the dtype
@@ -33,7 +33,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from parallel import stage_state
+from parallel.strategies import stage_state
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
@@ -105,8 +105,8 @@ def ranges(split: list[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Stages, their programs (parallel.stage_state.StageProgram) in the chosen mode, and the
-    per-boundary tensor counts of both modes and of the lower bound."""
+    """Stages, their programs (parallel.strategies.stage_state.StageProgram) in the chosen mode, and
+    the per-boundary tensor counts of both modes and of the lower bound."""
 
     config: DenseFormerConfig
     pattern: DWAPattern  # config.dwa_pattern, which the programs were made from
@@ -205,13 +205,14 @@ def micro_batch_size(cfg, world_size: int | None = None) -> int:
         from pretrain.config import ConfigError
 
         raise ConfigError("parallel.microbatches", "auto is chosen at start-up from the GPU's "
-                          "free memory (parallel/microbatch_fit.py): give a number here")
+                          "free memory (parallel/strategies/microbatch_fit.py): give a number here")
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
     return cfg.train.batch_size // (dp * p.microbatches)
 
 
 # ---------------------------------------------------------------------------------------------
-# What the command lines of parallel.plan, parallel.memory and parallel.memory_probe share
+# What the command lines of parallel.strategies.plan, parallel.strategies.memory and
+# parallel.strategies.memory_probe share
 
 
 def config_parser(prog: str, description: str, world_size: bool = True,
@@ -263,7 +264,7 @@ def _vocab_from_data(path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser("python -m parallel.plan", __doc__)
+    parser = config_parser("python -m parallel.strategies.plan", __doc__)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="what train.dtype=auto resolves to (default cuda: bf16)")
     args = parser.parse_args(argv)

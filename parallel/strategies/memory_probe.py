@@ -136,7 +136,7 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
                         loss_fn: Callable | None = None) -> ActivationReport:
     """Forward one micro-batch through `model.loss` (or `loss_fn(tokens, targets)`) and
     report what it keeps (no backward)."""
-    from parallel.checkpointing import ActivationCheckpointing
+    from parallel.strategies.checkpointing import ActivationCheckpointing
 
     exclude = model_storages(model)
     checkpointing = getattr(model, "activation_checkpointing", None)
@@ -176,18 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     """Measured vs estimated activation bytes of one micro-batch, per checkpointing mode."""
     import json
 
-    from parallel.plan import config_parser, load_run, micro_batch_size
+    from parallel.strategies.plan import config_parser, load_run, micro_batch_size
 
     parser = config_parser(
-        "python -m parallel.memory_probe",
+        "python -m parallel.strategies.memory_probe",
         "Measure one micro-batch's activation memory (fp32, this process, no parallelism) in "
         "each checkpointing mode and compare with the estimator.", world_size=False)
     parser.add_argument("--modes", default="none,block,dwa_block",
                         help="comma-separated MODE or MODE:EVERY (default none,block,dwa_block)")
     args = parser.parse_args(argv)
 
-    from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory import estimate
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.memory import estimate
     from pretrain.model import DenseFormer
 
     cfg, model_cfg = load_run(args, "train.dtype=fp32")

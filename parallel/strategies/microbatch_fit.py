@@ -6,7 +6,7 @@ built, every rank reads its free device memory (`torch.cuda.mem_get_info`); the 
 all ranks is the budget, of which `FILL` is used (the rest absorbs the allocator's rounding
 and fragmentation, and what the estimate leaves out). The choice is the smallest count M
 that splits each data-parallel rank's share of `train.batch_size` evenly, suits the pipeline
-schedule, and whose estimate (parallel/memory.py: parameters, gradients, optimizer state,
+schedule, and whose estimate (parallel/strategies/memory.py: parameters, gradients, optimizer state,
 activations, autocast's weight copies, the chunked loss's working set; the largest rank) fits
 the budget. Gradient accumulation over the M micro-batches keeps `train.batch_size` the
 global batch, so the optimisation is the same whatever M is chosen.
@@ -27,7 +27,7 @@ FILL = 0.85  # of the least free device memory over the ranks
 def candidates(cfg, dp: int) -> list[int]:
     """Micro-batch counts in increasing order that split a DP rank's batch evenly and suit
     the pipeline schedule."""
-    from parallel.schedule import schedule_problem
+    from parallel.strategies.schedule import schedule_problem
 
     p = cfg.parallel
     local = cfg.train.batch_size // dp
@@ -43,7 +43,7 @@ def with_microbatches(cfg, microbatches: int):
 
 def estimated_peak(cfg, world_size: int, model=None) -> int:
     """The estimator's largest per-rank total (bytes) for run config `cfg` on CUDA."""
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
 
     return max(r.total_bytes for r in estimate(cfg, world_size, "cuda", model))
 

@@ -46,7 +46,7 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
     """
     from megatron.core import parallel_state
 
-    from parallel import megatron_compat
+    from parallel.primitives import megatron_compat
 
     # Megatron's advice for overlapping TP communication with compute on GPUs; it must be
     # set before the CUDA context exists.

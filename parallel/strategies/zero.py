@@ -11,7 +11,7 @@ the param groups every step; DeepSpeed gets no scheduler), gradient clipping (`o
 becomes DeepSpeed's `gradient_clipping`, whose default would be 1.0), and the checkpoint
 format: each rank saves and loads its own partition under the layout-free keys of every
 other engine (pretrain/zero_checkpoint.py, reading DeepSpeed's internals through
-parallel/deepspeed_compat.py), so a ZeRO-2 run at DP=2 resumes at DP=1 without ZeRO and
+parallel/primitives/deepspeed_compat.py), so a ZeRO-2 run at DP=2 resumes at DP=1 without ZeRO and
 back. `full_model_state`, `full_optimizer_state` and `load_full_state` move whole tensors
 (gathered over DP and TP) for comparisons with a single-process run. The DeepSpeed config
 is built here (`deepspeed_config`), never written by hand.
@@ -25,7 +25,7 @@ ZeroEngine. The model-parallel groups reach DeepSpeed through `mpu`
 
 Gradient accumulation is DeepSpeed's "unmanaged" mode: `backward` accumulates locally and
 `step` is the accumulation boundary. Stage 1 keeps plain `.grad` tensors until `step`,
-so the sequence-parallel reduction (`parallel.tensor`) and an external pipeline schedule
+so the sequence-parallel reduction (`parallel.primitives.tensor`) and an external pipeline schedule
 (docs/pipeline.md: backward outside the engine, gradients already the mean over
 micro-batches, then `step`) need nothing else.
 
@@ -34,7 +34,7 @@ weights and AdamW moments inside the ZeRO optimizer; non-finite gradients skip t
 
 On CPU DeepSpeed JIT-compiles a small communication op the first time (about 40-50 s) into
 TORCH_EXTENSIONS_DIR, which defaults here to `<repo>/.torch_extensions`; build it ahead with
-`python -m parallel.zero --build-ops`.
+`python -m parallel.strategies.zero --build-ops`.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
     if stage == 3:
         # Every parameter is partitioned, the small norm weights and alphas too (DeepSpeed's
         # default keeps tensors under 1e5 elements whole on every rank): what each rank holds
-        # is then exactly 1/DP of each tensor, as parallel/memory.py counts it.
+        # is then exactly 1/DP of each tensor, as parallel/strategies/memory.py counts it.
         zero["stage3_param_persistence_threshold"] = STAGE3_PERSISTENCE_THRESHOLD
     return {
         "train_batch_size": cfg.train.batch_size,
@@ -198,7 +198,7 @@ class ZeroEngine:
         self.mpu = MegatronMPU()
         for param in model.parameters():
             # Copies a pipeline keeps on several stages (alpha, the tied embedding) count once
-            # in DeepSpeed's gradient norm, as in parallel.layout.gradient_norm.
+            # in DeepSpeed's gradient norm, as in parallel.primitives.layout.gradient_norm.
             if getattr(param, "pipeline_duplicate", False):
                 param.ds_pipe_replicated = True
         self.stage = cfg.parallel.zero_stage
@@ -261,7 +261,7 @@ class ZeroEngine:
         `pretrain.model.state.full_optimizer_state`; empty before the first update."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        from parallel.deepspeed_compat import relink_optimizer_state, update_count
+        from parallel.primitives.deepspeed_compat import relink_optimizer_state, update_count
         from pretrain.model.state import _gather_full
 
         step = update_count(self.engine.optimizer)
@@ -281,7 +281,7 @@ class ZeroEngine:
         """Set parameters (model copy and fp32 master) and AdamW state from full tensors."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        from parallel.deepspeed_compat import create_optimizer_state
+        from parallel.primitives.deepspeed_compat import create_optimizer_state
         from pretrain.model.init import local_shard
 
         model = self.model
@@ -344,7 +344,7 @@ def build_ops() -> None:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m parallel.zero")
+    parser = argparse.ArgumentParser(prog="python -m parallel.strategies.zero")
     parser.add_argument("--build-ops", action="store_true",
                         help="JIT-build DeepSpeed's CPU op into TORCH_EXTENSIONS_DIR and exit")
     if parser.parse_args().build_ops:
