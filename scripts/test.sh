@@ -26,5 +26,5 @@ if [ "$fast" = 1 ]; then
 fi
 # DeepSpeed JIT-builds a small CPU op with gcc the first time (~50 s): once, into
 # .torch_extensions, instead of in every test that starts an engine.
-"$VENV/bin/python" -m parallel.strategies.zero --build-ops >/dev/null
+"$VENV/bin/python" -m parallel.zero --build-ops >/dev/null
 exec "$VENV/bin/python" -m pytest -q --durations=15 "$@"

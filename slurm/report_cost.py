@@ -6,7 +6,7 @@ sweep had `inference:`, generation speed (prefill and decode tokens per second,
 slurm/inference_speed.py). Estimated
 from the run's resolved config (`parallel.strategies.memory`,
 `parallel.strategies.inference_memory`, the same estimators as
-`python -m parallel.strategies.memory`): training memory of the fullest rank without and
+`python -m parallel.memory`): training memory of the fullest rank without and
 with block activation checkpointing, and for generation at batch 1 and the full context the
 KV cache and the DWA state a decode step keeps.
 """

@@ -183,7 +183,7 @@ def test_out_of_range_requests_name_the_option():
 
 
 def memory_cli(capsys, *args: str) -> tuple[int, str, str]:
-    from parallel.strategies.memory import main
+    from parallel.cli.memory import main
 
     status = main(list(args))
     out, err = capsys.readouterr()
@@ -244,7 +244,7 @@ def test_cli_run_dir_reads_its_config_and_tokenizer(tiny_data, tmp_path):
     run_dir.mkdir()
     save_config(load_config(ROOT / "configs/tiny.yaml", ["data.path=null"]),
                 run_dir / "config.yaml")
-    args = ["-m", "parallel.strategies.memory", "--run", str(run_dir), "--inference",
+    args = ["-m", "parallel.memory", "--run", str(run_dir), "--inference",
             "--context", "64", "--device", "cpu", "--json"]
     missing = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                              timeout=60, env=cli_env(), cwd=ROOT)

@@ -266,7 +266,7 @@ def test_tp2_dp2_state_and_activations_per_rank():
 
 
 def run_memory(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel.strategies.memory", *args],
+    return subprocess.run([sys.executable, "-m", "parallel.memory", *args],
                           capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=ROOT)
 
 
@@ -321,8 +321,8 @@ def test_cli_pipeline_stages_and_bad_config():
 
 @pytest.mark.timeout(120)
 def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
-    """One loader behind `python -m parallel.strategies.plan` and
-    `python -m parallel.strategies.memory`: the same --set / --world-size / --json, and a
+    """One loader behind `python -m parallel.plan` and
+    `python -m parallel.memory`: the same --set / --world-size / --json, and a
     null model.vocab_size read from data.path's index (or named, exit 2, when there is no index)."""
     from parallel.strategies.memory import estimate
     from pretrain.config import load_config
@@ -333,12 +333,12 @@ def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
     assert memory.returncode == 0, memory.stderr
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=512"], world_size=2)
     assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in estimate(cfg, 2)]
-    plan = subprocess.run([sys.executable, "-m", "parallel.strategies.plan", *args, "--set",
+    plan = subprocess.run([sys.executable, "-m", "parallel.plan", *args, "--set",
                            "parallel.pp=2"], capture_output=True, text=True, timeout=60,
                           env=cli_env(), cwd=ROOT)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["micro_batch"] == cfg.train.batch_size  # 2 ranks = pp 2
-    for module in ("parallel.strategies.plan", "parallel.strategies.memory"):
+    for module in ("parallel.plan", "parallel.memory"):
         missing = subprocess.run([sys.executable, "-m", module, *args[:-1], "data.path=null"],
                                  capture_output=True, text=True, timeout=60, env=cli_env(),
                                  cwd=ROOT)

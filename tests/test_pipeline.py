@@ -173,7 +173,7 @@ def test_pipeline_config_errors(override, key):
 def test_plan_cli_prints_only_json():
     overrides = ["parallel.pp=4", "parallel.pp_split=[12, 12, 12, 12]",
                  "parallel.microbatches=50"]  # batch 400: micro-batches of 8
-    cmd = [sys.executable, "-m", "parallel.strategies.plan", "--config",
+    cmd = [sys.executable, "-m", "parallel.plan", "--config",
            str(ROOT / "configs/paper/dense-48-1x1.yaml"), "--json",
            *[a for o in overrides for a in ("--set", o)]]
     result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT,

@@ -1,6 +1,6 @@
 """Memory of generation per rank from the model config alone: weights, KV cache, DWA state.
 
-    python -m parallel.strategies.memory --config FILE --inference --batch B --context T
+    python -m parallel.memory --config FILE --inference --batch B --context T
         [--prompt P]
 
 Pure arithmetic (torch is not imported). Generation (pretrain/generation.py) runs every rank

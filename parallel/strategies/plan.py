@@ -1,6 +1,6 @@
 """The pipeline plan: which blocks each (virtual) stage holds, and what crosses each boundary.
 
-    python -m parallel.strategies.plan --config FILE [--set key=value ...] [--world-size N]
+    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N]
         [--device cuda] [--json]
 
 prints the plan of a run without starting ranks: the stages, and for every boundary the
@@ -28,9 +28,6 @@ plans quickly. The DWA pattern comes from the model config (`DenseFormerConfig.d
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass
 
 from parallel.strategies import stage_state
@@ -208,81 +205,3 @@ def micro_batch_size(cfg, world_size: int | None = None) -> int:
                           "free memory (parallel/strategies/microbatch_fit.py): give a number here")
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
     return cfg.train.batch_size // (dp * p.microbatches)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the command lines of parallel.strategies.plan, parallel.strategies.memory and
-# parallel.strategies.memory_probe share
-
-
-def config_parser(prog: str, description: str, world_size: bool = True,
-                  run_dir: bool = False) -> argparse.ArgumentParser:
-    """An argument parser with --config (or, if `run_dir`, --run DIR instead), --set, --json
-    and (if `world_size`) --world-size."""
-    from pretrain.config import override_argument
-
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True) if run_dir else parser
-    source.add_argument("--config", required=not run_dir, help="YAML run config")
-    if run_dir:
-        source.add_argument("--run", metavar="DIR", help="a run directory, instead of --config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", type=override_argument,
-                        help="override a config key (repeatable)")
-    if world_size:
-        parser.add_argument("--world-size", type=int, default=None,
-                            help="number of ranks: sets the data-parallel size and so the "
-                                 "micro-batch (default tp x pp: no data parallelism)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON document")
-    return parser
-
-
-def load_run(args: argparse.Namespace, *overrides: str):
-    """(run config, DenseFormerConfig) of a `config_parser` command line; `overrides` come
-    after the user's. A null model.vocab_size is read from data.path/index.json. Raises
-    ConfigError naming the key."""
-    from pretrain.config import ConfigError, load_config
-
-    world_size = getattr(args, "world_size", None)
-    cfg = load_config(args.config, [*args.overrides, *overrides], world_size=world_size)
-    vocab = cfg.model.vocab_size or _vocab_from_data(cfg.data.path)
-    if vocab is None:
-        raise ConfigError("model.vocab_size", "is null and data.path has no index.json: set it "
-                          "(--set model.vocab_size=N)")
-    return cfg, cfg.model.with_vocab(vocab)
-
-
-def _vocab_from_data(path) -> int | None:
-    from pathlib import Path
-
-    if path and (Path(path) / "index.json").exists():
-        from data_pipeline.index import read_index
-
-        return read_index(path, check_files=False).vocab_size
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = config_parser("python -m parallel.strategies.plan", __doc__)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="what train.dtype=auto resolves to (default cuda: bf16)")
-    args = parser.parse_args(argv)
-    try:
-        cfg, model = load_run(args)
-        p = cfg.parallel
-        plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
-    except ValueError as err:  # ConfigError is one
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    micro_batch = micro_batch_size(cfg, args.world_size)
-    dtype_bytes = boundary_dtype_bytes(cfg, args.device)
-    if args.json:
-        print(json.dumps(plan.report(micro_batch, dtype_bytes=dtype_bytes)))
-    else:
-        print("\n".join(plan.describe(micro_batch, dtype_bytes=dtype_bytes)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

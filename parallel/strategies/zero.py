@@ -34,7 +34,7 @@ weights and AdamW moments inside the ZeRO optimizer; non-finite gradients skip t
 
 On CPU DeepSpeed JIT-compiles a small communication op the first time (about 40-50 s) into
 TORCH_EXTENSIONS_DIR, which defaults here to `<repo>/.torch_extensions`; build it ahead with
-`python -m parallel.strategies.zero --build-ops`.
+`python -m parallel.zero --build-ops`.
 """
 
 from __future__ import annotations
@@ -339,13 +339,3 @@ def build_ops() -> None:
         return
     builder.load()
     print(f"DeepSpeed {builder.NAME} op ready in {os.environ.get('TORCH_EXTENSIONS_DIR')}")
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m parallel.strategies.zero")
-    parser.add_argument("--build-ops", action="store_true",
-                        help="JIT-build DeepSpeed's CPU op into TORCH_EXTENSIONS_DIR and exit")
-    if parser.parse_args().build_ops:
-        build_ops()
