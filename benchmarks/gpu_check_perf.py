@@ -254,7 +254,8 @@ def section_memory(device: torch.device, shapes: Shapes) -> dict:
                 est_cfg = load(name, shapes, f"train.batch_size={shapes.memory_batch}",
                                "parallel.microbatches=1", f"train.dtype={dtype}",
                                f"parallel.activation_checkpointing={mode}")
-                est = estimate(est_cfg, 1, device=device.type)[0]
+                est = estimate(est_cfg.parallel, est_cfg.model, est_cfg.train.batch_size,
+                               est_cfg.train.dtype, 1, device.type)[0]
                 estimated = est.activation_bytes
                 if device.type == "cuda":  # the peak holds autocast's copies, the loss's chunk
                     estimated += est.autocast_copies_bytes + est.loss_working_set_bytes

@@ -59,7 +59,8 @@ def compiled(trainee: perf.Trainee, name: str, cfg, backend: str) -> perf.Traine
     from parallel.strategies.compile_choice import compile_mode
 
     if name == "transformer":
-        apply_compile(trainee.model, compile_mode(cfg, "cuda")[0], backend)
+        mode = compile_mode(cfg.train.compile, cfg.parallel, cfg.model, "cuda")[0]
+        apply_compile(trainee.model, mode, backend)
         model = trainee.model
         trainee.loss = lambda: model.loss(*trainee.inputs_and_targets)
     else:
@@ -116,7 +117,8 @@ def memory_row(trainee: perf.Trainee, device, shapes: perf.Shapes, extra) -> dic
 
     dtype = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
     cfg = perf.load("transformer", shapes, *extra, f"train.dtype={dtype}")
-    est = estimate(cfg, 1, device=device.type)[0]
+    est = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 1,
+                   device.type)[0]
     terms = {"activation_bytes": est.activation_bytes,
              "autocast_copies_bytes": est.autocast_copies_bytes,
              "loss_working_set_bytes": est.loss_working_set_bytes}

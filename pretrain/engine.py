@@ -253,7 +253,7 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
 
     p = cfg.parallel
     reduction = dp_reduction(cfg, layout)
-    compiled = compile_mode(cfg, layout.device.type)
+    compiled = compile_mode(cfg.train.compile, p, model_cfg, layout.device.type)
     ddp = None
     if layout.pp > 1:
         from parallel.strategies.pipeline import PipelineRunner
@@ -285,7 +285,8 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     if p.zero_stage:
         from parallel.strategies.zero import ZeroEngine
 
-        update = ZeroUpdate(ZeroEngine(model, optimizer, cfg, dtype=dtype))
+        update = ZeroUpdate(ZeroEngine(model, optimizer, p, cfg.train.batch_size,
+                                       cfg.optim.grad_clip, dtype=dtype))
     else:
         update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip, ddp,
                              reduced_in_backward=reduction == "ddp")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from data_pipeline.progress import progress_bar, write_line
 from parallel.primitives import groups
 from parallel.primitives.layout import Layout, setup_layout
-from parallel.strategies.microbatch_fit import resolve_microbatches
+from parallel.strategies.microbatch_fit import Batch, resolve_microbatches
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.evaluate import autocast_for, evaluate
@@ -59,6 +59,17 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def run_device(setting: str) -> torch.device:
+    """The device of `train.device` (auto, cpu or cuda); ConfigError when cuda is asked for
+    and there is none."""
+    device = groups.default_device()
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" and device.type != "cuda":
+        raise ConfigError("train.device", "cuda requested but no CUDA device is available")
+    return device
+
+
 class Trainer:
     """Owns the model, optimizer, data loader and run directory of one training run."""
 
@@ -69,7 +80,8 @@ class Trainer:
         from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
-        self.layout = layout = setup_layout(cfg)
+        p = cfg.parallel
+        self.layout = layout = setup_layout(p.tp, p.pp, p.timeout_s, run_device(cfg.train.device))
         self.index = check_data(cfg)
         seq_len, note = trained_seq_len(cfg, self.index)
         if note and layout.is_main:
@@ -80,7 +92,9 @@ class Trainer:
         cfg = dataclasses.replace(cfg, model=model)
         # parallel.microbatches: auto -> a count that fits the device
         # (parallel/strategies/microbatch_fit.py)
-        cfg, microbatch_line = resolve_microbatches(cfg, layout)
+        batch = Batch(cfg.train.batch_size, cfg.train.dtype, cfg.optim.decay_alphas)
+        parallel, microbatch_line = resolve_microbatches(cfg.parallel, model, batch, layout)
+        cfg = dataclasses.replace(cfg, parallel=parallel)
         self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
         self.cfg = cfg
         self.model_cfg = cfg.model

@@ -80,8 +80,9 @@ def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
     for mode in ("none", "block"):
         variant = dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, activation_checkpointing=mode))
-        cost.train_bytes[mode] = max(r.total_bytes for r in estimate(variant, None, device,
-                                                                     model))
+        cost.train_bytes[mode] = max(r.total_bytes for r in estimate(
+            variant.parallel, model, cfg.train.batch_size, cfg.train.dtype, None, device,
+            cfg.optim.decay_alphas))
     parameters = local_parameters(model, 1, range(1, model.n_layers + 1), True, True,
                                   decay_alphas=False)
     (rank,) = estimate_inference(model, parameters, 1, 1, model.seq_len,

@@ -225,7 +225,8 @@ class RunContext:
         if vocab and cfg.parallel.microbatches != "auto":
             gpu = self.slurm["gpus_per_node"] or cfg.train.device == "cuda"
             memory = max(r.total_bytes for r in estimate_memory(
-                cfg, world, "cuda" if gpu else "cpu", model))
+                cfg.parallel, model, cfg.train.batch_size, cfg.train.dtype, world,
+                "cuda" if gpu else "cpu", cfg.optim.decay_alphas))
         n_params = model.num_params(non_embedding=True)
         return RunSpec(
             index=index, name=run_name, architecture=architecture, config=cfg,

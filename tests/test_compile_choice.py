@@ -14,7 +14,7 @@ from tests.conftest import ROOT, cli_env
 def mode(device: str, *overrides: str, world_size: int = 1) -> str:
     cfg = load_config(None, ["model.vocab_size=128", "model.n_layers=4", *overrides],
                       world_size=world_size)
-    return compile_mode(cfg, device)[0]
+    return compile_mode(cfg.train.compile, cfg.parallel, cfg.model, device)[0]
 
 
 @pytest.mark.parametrize("overrides, world, cuda", [

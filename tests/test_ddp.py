@@ -38,7 +38,7 @@ def engine_run(world_size: int, reduction: str, *overrides: str,
 
     cfg = load_config(None, [*BASE, f"parallel.dp_reduction={reduction}", *overrides],
                       world_size=world_size)
-    layout = setup_layout(cfg)
+    layout = setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
     engine = build_engine(cfg.model, cfg, layout, dtype)
     data = torch.randint(0, 128, (STEPS, 8, 17), generator=torch.Generator().manual_seed(3))
     out = {"reduction": dp_reduction(cfg, layout), "losses": [], "norms": [],

@@ -55,7 +55,8 @@ def config(*overrides: str, world_size: int = 1):
 def estimated(cfg, world_size: int = 1, rank: int = 0):
     from parallel.strategies.memory import estimate
 
-    return estimate(cfg, world_size, device="cpu")[rank]
+    return estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, world_size,
+                    "cpu", cfg.optim.decay_alphas)[rank]
 
 
 def measured_activations(cfg) -> int:
@@ -141,7 +142,8 @@ def test_checkpointing_modes_order_as_designed():
     for mode in ("none", "block", "dwa_block"):
         cfg = load_config(ROOT / "configs/paper/dense-48-1x1.yaml",
                           ["parallel.microbatches=50", f"parallel.activation_checkpointing={mode}"])
-        act[mode] = estimate(cfg, 1, device="cpu")[0].activations
+        act[mode] = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 1,
+                             "cpu")[0].activations
     total = {m: sum(v for v in a.values()) for m, a in act.items()}
     assert total["dwa_block"] < total["block"] < total["none"]
     assert act["dwa_block"]["checkpoint_boundaries"] == 0  # 1x1: every input is recomputed
@@ -170,9 +172,9 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
     zero = None
     handed_to_adamw: dict[int, int] = {}
     if stage:
-        from parallel.strategies.zero import ZeroEngine
+        from tests.test_zero import zero_engine
 
-        zero = ZeroEngine(model, optimizer, cfg)
+        zero = zero_engine(model, optimizer, cfg)
 
         def record(opt, args, kwargs):
             for group in opt.param_groups:
@@ -312,7 +314,8 @@ def test_cli_pipeline_stages_and_bad_config():
 
     cfg = load_config(ROOT / "configs/paper/dense-48-4x5.yaml",
                       ["parallel.pp=4", "parallel.microbatches=100"], world_size=4)
-    in_flight = [r.activations["in_flight_microbatches"] for r in estimate(cfg, 4)]
+    ranks = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 4)
+    in_flight = [r.activations["in_flight_microbatches"] for r in ranks]
     assert in_flight == [4, 3, 2, 1]  # 1F1B: stage s holds min(PP - s, M) micro-batches
     bad = run_memory("--config", "configs/paper/dense-48-1x1.yaml", "--set", "parallel.tp=2",
                      "--set", "parallel.zero_stage=2")
@@ -332,7 +335,8 @@ def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
     memory = run_memory(*args)
     assert memory.returncode == 0, memory.stderr
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=512"], world_size=2)
-    assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in estimate(cfg, 2)]
+    ranks = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 2)
+    assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in ranks]
     plan = subprocess.run([sys.executable, "-m", "parallel.plan", *args, "--set",
                            "parallel.pp=2"], capture_output=True, text=True, timeout=60,
                           env=cli_env(), cwd=ROOT)

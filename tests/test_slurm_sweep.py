@@ -196,7 +196,9 @@ def test_sweep_memory_is_the_validated_estimator_and_stays_torch_free():
     printed = json.loads(done.stdout)
     assert len(printed) == len(sweep.runs) == 36
     for run, memory in zip(sweep.runs, printed, strict=True):
-        ranks = estimate(run.config, world, "cuda")
+        c = run.config
+        ranks = estimate(c.parallel, c.model, c.train.batch_size, c.train.dtype, world, "cuda",
+                         c.optim.decay_alphas)
         assert memory == run.memory_bytes == max(r.total_bytes for r in ranks), run.name
 
 

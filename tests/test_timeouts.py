@@ -148,13 +148,12 @@ def group_timeouts_after_trainer_set_up(overrides: tuple[str, ...]) -> dict[str,
     import torch.distributed as dist
 
     from parallel.primitives.layout import setup_layout
-    from parallel.strategies.zero import ZeroEngine
-    from tests.test_zero import build, config
+    from tests.test_zero import build, config, zero_engine
 
     cfg = config(f"parallel.timeout_s={TIMEOUT_S}", *overrides, world_size=2)
-    setup_layout(cfg)
+    setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
     model, optimizer = build(cfg)
-    engine = ZeroEngine(model, optimizer, cfg)
+    engine = zero_engine(model, optimizer, cfg)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     engine.backward(engine.loss(tokens[:, :-1], tokens[:, 1:]))
     engine.step()  # any group DeepSpeed makes lazily exists by now

@@ -89,16 +89,15 @@ def zero_cases(root: str) -> dict:
     a checkpoint written, read back whole, and loaded into another stage (0: plain AdamW)."""
     import torch.distributed as dist
 
-    from parallel.strategies.zero import ZeroEngine
     from pretrain import sharded_checkpoint, zero_checkpoint
     from pretrain.checkpoint import Retention, read_manifest
     from pretrain.run_checkpoint import save_run
-    from tests.test_zero import build, config, zero_steps
+    from tests.test_zero import build, config, zero_engine, zero_steps
 
     rank, out = dist.get_rank(), {}
     for stage, other in ((1, 3), (2, 0), (3, 1)):
         cfg = config(f"parallel.zero_stage={stage}")
-        zero = ZeroEngine(*build(cfg), cfg)
+        zero = zero_engine(*build(cfg), cfg)
         zero_steps(zero, cfg, 1, 2)
         internals = _owned_ranges_checked(zero)
         full = _full_state(zero)
@@ -111,7 +110,7 @@ def zero_cases(root: str) -> dict:
         cfg_other.train.seed += 1  # other initial weights: the load must replace them all
         model, optimizer = build(cfg_other)
         if other:
-            loaded = ZeroEngine(model, optimizer, cfg_other)
+            loaded = zero_engine(model, optimizer, cfg_other)
             zero_checkpoint.load_local(path, read_manifest(path), loaded)
         else:
             loaded = (model, optimizer)

@@ -36,14 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg, model = _load(args)
         if args.inference:
             return _print_inference(args, model)
-        ranks = estimate(cfg, args.world_size, args.device, model)
+        ranks = estimate(cfg.parallel, model, cfg.train.batch_size, cfg.train.dtype,
+                         args.world_size, args.device, cfg.optim.decay_alphas)
     except ValueError as err:  # ConfigError is one
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"ranks": [r.as_json() for r in ranks]}))
     else:
-        print("\n".join(describe(cfg, ranks)))
+        print("\n".join(describe(cfg.parallel, cfg.model, ranks)))
     return 0
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, model_cfg = load_run(args, "train.dtype=fp32")
     model = DenseFormer(model_cfg, seed=cfg.train.seed)
-    micro_batch = micro_batch_size(cfg, 1)
+    micro_batch = micro_batch_size(cfg.parallel, cfg.train.batch_size, 1)
     batch = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))
     rows = []
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every = mode, every
         apply_activation_checkpointing(model, mode, every)
         report = measure_activations(model, batch[:, :-1], batch[:, 1:])
-        estimated = estimate(cfg, 1, "cpu", model_cfg)[0].activation_bytes
+        estimated = estimate(cfg.parallel, model_cfg, cfg.train.batch_size, cfg.train.dtype, 1,
+                             "cpu")[0].activation_bytes
         rows.append({"mode": mode, "every": every, **report.as_dict(),
                      "estimated_bytes": estimated})
     if args.json:

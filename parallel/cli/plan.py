@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # ConfigError is one
         print(f"error: {err}", file=sys.stderr)
         return 2
-    micro_batch = micro_batch_size(cfg, args.world_size)
-    dtype_bytes = boundary_dtype_bytes(cfg, args.device)
+    micro_batch = micro_batch_size(cfg.parallel, cfg.train.batch_size, args.world_size)
+    dtype_bytes = boundary_dtype_bytes(cfg.parallel, cfg.train.dtype, args.device)
     if args.json:
         print(json.dumps(plan.report(micro_batch, dtype_bytes=dtype_bytes)))
     else:

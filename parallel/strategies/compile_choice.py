@@ -19,16 +19,19 @@ none, as any compiled mode is refused there (DeepSpeed gathers parameters in mod
 
 from __future__ import annotations
 
+from parallel.strategies.config import ParallelSection
+from pretrain.model.config import DenseFormerConfig
+
 AUTO = "auto"
 
 
-def compile_mode(cfg, device_type: str) -> tuple[str, str]:
-    """(mode, why) for run config `cfg` on `device_type` ("cuda" or "cpu"): train.compile
-    itself unless it is auto."""
-    setting = cfg.train.compile
+def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConfig,
+                 device_type: str) -> tuple[str, str]:
+    """(mode, why) for `setting` (train.compile) with this parallel section and model on
+    `device_type` ("cuda" or "cpu"): the setting itself unless it is auto."""
     if setting != AUTO:
         return setting, "train.compile"
-    p, m = cfg.parallel, cfg.model
+    p, m = parallel, model
     if device_type != "cuda":
         return "none", f"train.compile=auto on {device_type}"
     if p.zero_stage >= 3:

@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from parallel.strategies.config import ParallelSection
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -369,18 +370,19 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
 # The estimate
 
 
-def estimate(cfg, world_size: int | None = None, device: str = "cuda",
-             model: DenseFormerConfig | None = None) -> list[RankMemory]:
-    """RankMemory of every rank of the layout (`cfg`: pretrain.config.Config; `model`: its
-    model config, built from cfg.model when not given)."""
-    p = cfg.parallel
-    if model is None:
-        model = cfg.model  # its padded_vocab_size raises naming model.vocab_size if it is null
+def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: int,
+             dtype: str = "auto", world_size: int | None = None, device: str = "cuda",
+             decay_alphas: bool = False) -> list[RankMemory]:
+    """RankMemory of every rank of the layout: `parallel` the run's parallel section, `model`
+    its model config (a null vocab_size raises naming model.vocab_size), `batch_size` and
+    `dtype` train.batch_size and train.dtype, `decay_alphas` optim.decay_alphas; train.dtype
+    auto resolves as on `device`."""
+    p = parallel
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
-    precision = Precision.of(resolved_dtype(cfg, device), p.zero_stage, model.dwa_dtype)
+    precision = Precision.of(resolved_dtype(dtype, device), p.zero_stage, model.dwa_dtype)
     shape = ActivationShape(
-        micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
+        micro_batch=micro_batch_size(p, batch_size, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
         kv_heads=model.kv_heads, ffn=model.ffn_width, llama=model.block == "llama",
         padded_vocab=model.padded_vocab_size, vocab=model.vocab_size, tp=p.tp,
@@ -401,8 +403,8 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
             first, last = 0 in stages, plan.n_stages - 1 in stages
             activations = pipeline_activation_terms(model, shape, mode, every, p.pp, pp_rank,
                                                     p.microbatches, plan,
-                                                    boundary_dtype_bytes(cfg, device))
-        groups = local_parameters(model, p.tp, blocks, first, last, cfg.optim.decay_alphas)
+                                                    boundary_dtype_bytes(p, dtype, device))
+        groups = local_parameters(model, p.tp, blocks, first, last, decay_alphas)
         params, grads, optimizer = state_bytes(groups, p.zero_stage, dp, precision)
         copies = autocast_weight_copies(model, p.tp, len(blocks), precision)
         working = loss_working_set(model, shape) if last else 0
@@ -423,9 +425,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:8.3f} GiB"
 
 
-def describe(cfg, ranks: list[RankMemory]) -> list[str]:
+def describe(parallel: ParallelSection, model: DenseFormerConfig,
+             ranks: list[RankMemory]) -> list[str]:
     """Human-readable lines: the layout, then one block per distinct rank."""
-    p, m = cfg.parallel, cfg.model
+    p, m = parallel, model
     arch = (f"DenseFormer {m.dwa_dilation}x{m.dwa_period}" if m.dwa else "Transformer")
     lines = [f"{m.n_layers} blocks x {m.d_model} {arch}, seq {m.seq_len}; tp {p.tp}, pp {p.pp}, "
              f"dp {len(ranks) // (p.tp * p.pp)}; ZeRO {p.zero_stage}; activation "

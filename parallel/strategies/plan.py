@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.strategies import stage_state
-from pretrain.model.config import DenseFormerConfig
+from parallel.strategies.config import ParallelSection
+from pretrain.model.config import ConfigError, DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
 FP32_BYTES = 4
@@ -180,28 +181,28 @@ def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
     return PipelinePlan(cfg, pattern, pp, virtual_stages, transfer, stages, programs, counts)
 
 
-def resolved_dtype(cfg, device: str = "cuda") -> str:
-    """"bf16" or "fp32": `train.dtype`, with auto as the trainer resolves it on `device`."""
-    if cfg.train.dtype == "auto":
+def resolved_dtype(dtype: str, device: str = "cuda") -> str:
+    """"bf16" or "fp32": a `train.dtype` setting, with auto as the trainer resolves it on
+    `device`."""
+    if dtype == "auto":
         return "bf16" if device == "cuda" else "fp32"
-    return cfg.train.dtype
+    return dtype
 
 
-def boundary_dtype_bytes(cfg, device: str = "cuda") -> int:
+def boundary_dtype_bytes(parallel: ParallelSection, dtype: str, device: str = "cuda") -> int:
     """Bytes per element of the tensors crossing a stage boundary: 2 when the run computes
-    in bf16 and `parallel.pipeline_dtype` is compute, else 4 (fp32)."""
-    compute = cfg.parallel.pipeline_dtype == "compute" and resolved_dtype(cfg, device) == "bf16"
+    in bf16 (`dtype`: train.dtype) and `parallel.pipeline_dtype` is compute, else 4 (fp32)."""
+    compute = parallel.pipeline_dtype == "compute" and resolved_dtype(dtype, device) == "bf16"
     return 2 if compute else FP32_BYTES
 
 
-def micro_batch_size(cfg, world_size: int | None = None) -> int:
-    """Sequences per micro-batch on one rank of a run config (pretrain.config.Config); without
-    a world size, data parallelism is taken as 1."""
-    p = cfg.parallel
+def micro_batch_size(parallel: ParallelSection, batch_size: int,
+                     world_size: int | None = None) -> int:
+    """Sequences per micro-batch on one rank, of a global batch of `batch_size` sequences
+    (train.batch_size); without a world size, data parallelism is taken as 1."""
+    p = parallel
     if p.microbatches == "auto":
-        from pretrain.config import ConfigError
-
         raise ConfigError("parallel.microbatches", "auto is chosen at start-up from the GPU's "
                           "free memory (parallel/strategies/microbatch_fit.py): give a number here")
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
-    return cfg.train.batch_size // (dp * p.microbatches)
+    return batch_size // (dp * p.microbatches)

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO for the training loop: an engine configured from our config.
 
-    zero = ZeroEngine(model, optimizer, cfg, dtype=torch.float32)   # after groups are up
+    zero = ZeroEngine(model, optimizer, cfg.parallel, cfg.train.batch_size, cfg.optim.grad_clip,
+                      dtype=torch.float32)   # after groups are up
     for tokens, targets in micro_batches:
         zero.backward(zero.loss(tokens, targets))    # scaled by 1 / parallel.microbatches
     grad_norm = zero.step()                          # DP reduction, clipping, AdamW update
@@ -47,6 +48,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from parallel.strategies.config import ParallelSection
 
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "pyproject.toml").exists():  # a checkout: keep the JIT-built op next to it
@@ -115,12 +118,14 @@ class MegatronMPU:
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
 
 
-def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
+def deepspeed_config(parallel: ParallelSection, batch_size: int, grad_clip: float, dp: int,
+                     dtype: torch.dtype = torch.float32) -> dict:
     """The DeepSpeed config of a run: batch split, clipping, ZeRO stage, precision.
 
-    `cfg` is our `pretrain.config.Config`; `dp` the data-parallel size."""
-    p, stage = cfg.parallel, cfg.parallel.zero_stage
-    per_rank = cfg.train.batch_size // dp
+    `batch_size` is train.batch_size, `grad_clip` optim.grad_clip; `dp` the data-parallel
+    size."""
+    p, stage = parallel, parallel.zero_stage
+    per_rank = batch_size // dp
     zero = {"stage": stage}
     if stage == 3:
         # Every parameter is partitioned, the small norm weights and alphas too (DeepSpeed's
@@ -128,11 +133,11 @@ def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
         # is then exactly 1/DP of each tensor, as parallel/strategies/memory.py counts it.
         zero["stage3_param_persistence_threshold"] = STAGE3_PERSISTENCE_THRESHOLD
     return {
-        "train_batch_size": cfg.train.batch_size,
+        "train_batch_size": batch_size,
         "train_micro_batch_size_per_gpu": per_rank // p.microbatches,
         "gradient_accumulation_steps": p.microbatches,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # our torch AdamW with its decay groups
@@ -182,13 +187,14 @@ def _quiet_deepspeed() -> None:
 class ZeroEngine:
     """A DeepSpeed engine around `model` and our AdamW `optimizer` (see the module doc)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 parallel: ParallelSection, batch_size: int, grad_clip: float,
                  dtype: torch.dtype = torch.float32):
         import deepspeed
 
-        if cfg.parallel.zero_stage not in (1, 2, 3):
+        if parallel.zero_stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine needs parallel.zero_stage 1, 2 or 3, got "
-                             f"{cfg.parallel.zero_stage} (0 trains without DeepSpeed)")
+                             f"{parallel.zero_stage} (0 trains without DeepSpeed)")
         _quiet_deepspeed()
         if "LOCAL_RANK" not in os.environ:
             if dist.get_world_size() > 1:
@@ -201,11 +207,12 @@ class ZeroEngine:
             # in DeepSpeed's gradient norm, as in parallel.primitives.layout.gradient_norm.
             if getattr(param, "pipeline_duplicate", False):
                 param.ds_pipe_replicated = True
-        self.stage = cfg.parallel.zero_stage
+        self.stage = parallel.zero_stage
         self.dtype = dtype
         self.model = model
         self.module = LossModule(model)
-        self.config = deepspeed_config(cfg, self.mpu.get_data_parallel_world_size(), dtype)
+        self.config = deepspeed_config(parallel, batch_size, grad_clip,
+                                       self.mpu.get_data_parallel_world_size(), dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.module, optimizer=optimizer, config=self.config, mpu=self.mpu,
             dist_init_required=False)

@@ -23,11 +23,11 @@ from pretrain.config.sections import (
     RUN_CONTROL_KEYS,
     SECTIONS,
     Config,
-    ConfigError,
     field_name,
     key_name,
 )
 from pretrain.config.validation import validate
+from pretrain.model.config import ConfigError
 
 
 class _Loader(yaml.SafeLoader):

@@ -11,9 +11,10 @@ import dataclasses
 import typing
 from typing import Any
 
+from parallel.strategies.config import ParallelSection
 from pretrain.config.coercion import coerce
-from pretrain.config.sections import SECTIONS, Config, ConfigError, ParallelSection, key_name
-from pretrain.model.config import RANGE, ModelConfigError, Range, numeric_kind
+from pretrain.config.sections import SECTIONS, Config, key_name
+from pretrain.model.config import RANGE, ConfigError, ModelConfigError, Range, numeric_kind
 
 
 def model_config_error(err: ModelConfigError) -> ConfigError:
