@@ -1,4 +1,5 @@
-"""`python -m pretrain checkpoint inspect|export`: tools for a checkpoint on disk."""
+"""`python -m pretrain checkpoint inspect|export` (command-line code: it reads the run config
+of a checkpoint): tools for a checkpoint on disk."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    from pretrain.checkpoint_tools import run_tool
+    from pretrain.checkpoint_cli import run_tool
 
     return run_tool(args.tool, Path(args.path), getattr(args, "verify", False),
                     Path(args.out) if getattr(args, "out", None) else None)
