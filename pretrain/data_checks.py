@@ -4,6 +4,7 @@ queueing (slurm/preflight.py). Torch-free."""
 
 from __future__ import annotations
 
+from data_pipeline.index import read_index
 from pretrain.config import Config, ConfigError
 
 
@@ -14,7 +15,7 @@ def check_data(cfg: Config, index=None):
     (and checked) for this path. Raises ConfigError naming the key, or DataError naming the
     file. A model.seq_len longer than the data's is no error: the run trains at the data's
     length (`trained_seq_len`)."""
-    from data_pipeline.index import read_index
+    # deferred: pulls in sentencepiece (slow to start, or optional)
     from data_pipeline.tokenizer import check_index_vocabulary
 
     if cfg.data.path is None:

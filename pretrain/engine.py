@@ -29,10 +29,15 @@ from torch import nn
 
 from parallel.primitives.layout import Layout, average_gradients, gradient_norm
 from parallel.primitives.tensor import allreduce_sequence_parallel_grads
+from parallel.strategies.checkpointing import apply_activation_checkpointing
 from parallel.strategies.compile import apply_compile
 from parallel.strategies.compile_choice import compile_mode
-from parallel.strategies.ddp import BUCKET_CAP_MB
-from pretrain.optim import is_fused, step_if_finite
+from parallel.strategies.ddp import BUCKET_CAP_MB, DDPLoss
+from parallel.strategies.pipeline import PipelineRunner
+from parallel.strategies.zero import ZeroEngine
+from pretrain import sharded_checkpoint, zero_checkpoint
+from pretrain.model import DenseFormer
+from pretrain.optim import build_optimizer, is_fused, step_if_finite
 
 
 class AdamWUpdate:
@@ -87,14 +92,10 @@ class AdamWUpdate:
 
     def sharded_state(self) -> dict:
         """What this rank holds, no more: its TP shards and its stages' parameters."""
-        from pretrain import sharded_checkpoint
-
         return sharded_checkpoint.local_state(self.model, self.optimizer)
 
     def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
                      fill: dict | None = None) -> None:
-        from pretrain import sharded_checkpoint
-
         sharded_checkpoint.load_local(path, manifest, self.model,
                                       None if weights_only else self.optimizer, fill)
 
@@ -125,14 +126,10 @@ class ZeroUpdate:
     def sharded_state(self) -> dict:
         """This rank's ZeRO partition: flat ranges of its parameters' master weights and
         AdamW moments, as row-blocks of the global tensors (no gather)."""
-        from pretrain import zero_checkpoint
-
         return zero_checkpoint.local_state(self.zero)
 
     def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
                      fill: dict | None = None) -> None:
-        from pretrain import zero_checkpoint
-
         zero_checkpoint.load_local(path, manifest, self.zero, weights_only, fill)
 
 
@@ -249,15 +246,11 @@ class Engine:
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     """The model (whole, or this rank's pipeline stages), its AdamW and, with
     parallel.zero_stage, DeepSpeed around them."""
-    from pretrain.optim import build_optimizer
-
     p = cfg.parallel
     reduction = dp_reduction(cfg, layout)
     compiled = compile_mode(cfg.train.compile, p, model_cfg, layout.device.type)
     ddp = None
     if layout.pp > 1:
-        from parallel.strategies.pipeline import PipelineRunner
-
         local_batch = cfg.train.batch_size // layout.dp
         runner = PipelineRunner(
             model_cfg, microbatches=p.microbatches, micro_batch=local_batch // p.microbatches,
@@ -269,22 +262,15 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model, forward = runner.model, PipelineForward(runner)
         apply_compile(model, compiled[0], cfg.train.compile_backend)
     else:
-        from parallel.strategies.checkpointing import apply_activation_checkpointing
-        from pretrain.model import DenseFormer
-
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
                             sequence_parallel=p.sequence_parallel).to(layout.device)
         apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
         apply_compile(model, compiled[0], cfg.train.compile_backend)
         forward = LocalForward(model)
         if reduction == "ddp":
-            from parallel.strategies.ddp import DDPLoss
-
             ddp = DDPLoss(model, layout.dp_group)
     optimizer = build_optimizer(model, cfg.optim)
     if p.zero_stage:
-        from parallel.strategies.zero import ZeroEngine
-
         update = ZeroUpdate(ZeroEngine(model, optimizer, p, cfg.train.batch_size,
                                        cfg.optim.grad_clip, dtype=dtype))
     else:

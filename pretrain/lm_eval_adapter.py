@@ -50,6 +50,7 @@ class DenseFormerLM(LM):
         """Load `checkpoint` with `pretrain.load.load_model`. `device` is lm-eval's option;
         its default (cuda:0) on a machine without a GPU means this machine's default."""
         super().__init__()
+        # deferred: pulls in sentencepiece (slow to start, or optional)
         from pretrain.load import load_model
 
         if unused:

@@ -19,17 +19,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_pipeline import DataError
 from data_pipeline.progress import progress_bar, write_line
 from parallel.primitives import groups
 from parallel.primitives.layout import Layout, setup_layout
 from parallel.strategies.microbatch_fit import Batch, resolve_microbatches
+from pretrain import checkpoint
+from pretrain.analyze import write_checkpoint_heatmap
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
+from pretrain.data_checks import check_data, trained_seq_len
+from pretrain.engine import build_engine
 from pretrain.evaluate import autocast_for, evaluate
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED
-from pretrain.run_checkpoint import Checkpointer, SaveFailed
-from pretrain.run_dir import agreed_on_rank0
+from pretrain.init_from import init_from
+from pretrain.mfu import TrainingPeak
+from pretrain.optim import lr_at
+from pretrain.run_checkpoint import Checkpointer, SaveFailed, load_run
+from pretrain.run_dir import agreed_on_rank0, fingerprint, fingerprint_mismatch, prepare_run_dir
 from pretrain.signals import StopRequest
+from pretrain.step_rows import PendingRows, ProgressClock
+from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
 
 class NonFiniteLoss(RuntimeError):
@@ -74,10 +84,8 @@ class Trainer:
     """Owns the model, optimizer, data loader and run directory of one training run."""
 
     def __init__(self, cfg: Config):
+        # deferred: pulls in sentencepiece, wids (slow to start, or optional)
         from data_pipeline.loader import TrainLoader
-        from pretrain.data_checks import check_data, trained_seq_len
-        from pretrain.engine import build_engine
-        from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
         p = cfg.parallel
@@ -128,8 +136,6 @@ class Trainer:
             self._load(self.resume_from)
             self.saved_step = self.step
         elif cfg.train.init_from is not None:
-            from pretrain.init_from import init_from
-
             self.origin = init_from(self.engine, cfg.train.init_from, self.model_cfg,
                                     self.fingerprint, layout.rank, layout.world)
 
@@ -137,9 +143,6 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         """Resume from checkpoint `path`: each rank reads its own slices (collective)."""
-        from pretrain.run_checkpoint import load_run
-        from pretrain.run_dir import fingerprint_mismatch
-
         def same_run(meta: dict) -> None:
             if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
                 differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
@@ -169,8 +172,6 @@ class Trainer:
     # -- one optimizer step --------------------------------------------------------------
 
     def lr(self, step: int) -> float:
-        from pretrain.optim import lr_at
-
         o = self.cfg.optim
         return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=self.cfg.effective_warmup_steps(),
                      total=self.cfg.train.steps)
@@ -264,10 +265,6 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
-    from pretrain.mfu import TrainingPeak
-    from pretrain.step_rows import PendingRows, ProgressClock
-    from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
-
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
     main = layout.is_main
     if main:  # with the directory resolved, so `eval --run` and resume=auto can reread it
@@ -423,8 +420,6 @@ def _fmt(value: float | None) -> str:
 
 def _last_good(trainer: Trainer) -> Path | None:
     """The checkpoint a diverged run falls back to: the one pinned before the skip streak."""
-    from pretrain import checkpoint
-
     return trainer.protected_checkpoint or checkpoint.latest_checkpoint(trainer.ckpt_dir)
 
 
@@ -439,8 +434,6 @@ def _committed(trainer: Trainer, path: Path, tracker) -> None:
 def _plot_dwa(trainer: Trainer, path: Path, tracker) -> None:
     """Rank 0: the DWA heatmap of checkpoint `path` into run_dir/dwa/ and MLflow's dwa/
     (pretrain/analyze.py). A failure to draw is a warning: the checkpoint is what matters."""
-    from pretrain.analyze import write_checkpoint_heatmap
-
     try:
         png = write_checkpoint_heatmap(path, trainer.model_cfg.dwa_pattern,
                                        trainer.run_dir / "dwa")
@@ -461,8 +454,6 @@ def _checkpoint_of_this_step(trainer: Trainer) -> Path:
 def _validate(trainer: Trainer, metrics, tracker) -> None:
     """Validation loss of the current step; a failure exits 2 naming the data, after this
     step's checkpoint is written (DataError)."""
-    from data_pipeline import DataError
-
     cfg, layout = trainer.cfg, trainer.layout
     try:
         result = evaluate(trainer.engine.eval_model, cfg.data.path, trainer.local_batch,

@@ -40,6 +40,7 @@ from parallel.primitives.deepspeed_compat import (
 )
 from pretrain.checkpoint import CheckpointError
 from pretrain.flat_shards import FlatShard
+from pretrain.model.init import local_shard
 from pretrain.sharded_checkpoint import (
     empty_like_global,
     load_tensors,
@@ -164,8 +165,6 @@ def _check_size(checkpoint: Path, key: str, entries: dict, expected) -> None:
 def _loaded_weights(name, param, target, fill, stage3: bool, tp_rank: int, tp_size: int):
     """(values read for `param`, whether they are its whole TP shard): the whole shard
     (ZeRO-1/2, or a filled parameter), the flat range this rank owns (ZeRO-3), or None."""
-    from pretrain.model.init import local_shard
-
     if name in fill:
         return local_shard(fill[name], param, tp_rank, tp_size), True
     value = target.get(model_key(name))

@@ -18,6 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline.index import read_index
+from parallel.strategies.inference_memory import estimate_inference
+from parallel.strategies.memory import estimate, local_parameters
+from pretrain.config import load_config
 from slurm.report_data import StudyRun
 from slurm.report_html import column, paragraph, section, sizes, table
 from slurm.report_mfu import StudyPeak, study_mfu
@@ -37,16 +41,12 @@ class Cost:
 
 
 def _config(run: StudyRun):
-    from pretrain.config import load_config
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(run.config_text)
         cfg = load_config(path)
     vocab = cfg.model.vocab_size
     if vocab is None and cfg.data.path and (Path(cfg.data.path) / "index.json").is_file():
-        from data_pipeline.index import read_index
-
         vocab = read_index(cfg.data.path, check_files=False).vocab_size
     return cfg, (cfg.model.with_vocab(vocab) if vocab else None)
 
@@ -73,8 +73,6 @@ def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
     if model is None:
         cost.note = "vocabulary unknown (data not on this machine): no memory estimate"
         return cost
-    from parallel.strategies.inference_memory import estimate_inference
-    from parallel.strategies.memory import estimate, local_parameters
 
     device = "cuda" if cfg.train.device == "cuda" else "cpu"
     for mode in ("none", "block"):

@@ -56,6 +56,7 @@ def _load(args: argparse.Namespace):
             args = argparse.Namespace(config=args.config, overrides=args.overrides)
         return load_run(args)
     # Deferred: pretrain.load imports torch, which the estimate from --config does without.
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from pretrain.load import CONFIG_FILE, model_config, run_tokenizer
 
     run_dir = Path(args.run)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from parallel.primitives import groups
 
@@ -41,8 +42,6 @@ def setup_layout(tp: int = 1, pp: int = 1, timeout_s: int = 600,
     """Initialise process groups for a TP x PP layout (the world size from the launcher;
     data parallelism takes the rest) and say where this process sits. `timeout_s` bounds
     every collective; `device` defaults to `groups.default_device()`."""
-    from megatron.core import parallel_state
-
     groups.ensure_initialized(tp=tp, pp=pp, timeout_s=timeout_s)
     return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp,
                   tp_rank=parallel_state.get_tensor_model_parallel_rank(),

@@ -9,7 +9,11 @@ results.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import layers
 
 _applied = False
 
@@ -20,9 +24,6 @@ def _quiet_default_tp_group() -> None:
     rank 0. torch.compile cannot trace `warnings.warn`, so every RowParallelLinear would break
     the graph. We rebind the name in `tensor_parallel.layers` to the same lookup without the
     warning (we pass tp groups explicitly everywhere else)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import layers
-
     def default_tp_group(tp_group, is_expert=False, check_initialized=True):
         if tp_group is not None or not torch.distributed.is_initialized():
             return tp_group
@@ -70,8 +71,6 @@ def _cpu_device_for_megatron_buffers() -> None:
     sequence-parallel collectives and of the SP all-gather in its linear layers. We give
     exactly those modules a view of torch in which the current device is the CPU (torch
     itself is untouched). Applied only when CUDA is unavailable."""
-    import importlib
-
     for name in CUDA_DEVICE_MODULES:
         importlib.import_module(name).torch = _TorchOnCpu()
 
@@ -82,8 +81,6 @@ def _cpu_autocast_in_linear_backward() -> None:
     backward runs without autocast and multiplies a bf16 gradient by the fp32 weight
     ("expected m1 and m2 to have the same dtype"). We re-decorate the undecorated
     forward/backward for the CPU, which replays the forward's autocast state in backward."""
-    from megatron.core.tensor_parallel import layers
-
     fn = layers.LinearWithGradAccumulationAndAsyncCommunication
     fn.forward = staticmethod(torch.amp.custom_fwd(fn.forward.__wrapped__, device_type="cpu"))
     fn.backward = staticmethod(torch.amp.custom_bwd(fn.backward.__wrapped__, device_type="cpu"))

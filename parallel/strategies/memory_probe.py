@@ -35,6 +35,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.strategies.checkpointing import ActivationCheckpointing
+from pretrain.model.dwa import DWABuffers
+
 
 @dataclass
 class ActivationReport:
@@ -117,8 +120,6 @@ def model_storages(model: nn.Module) -> set[int]:
 
 def dwa_buffers_of(output: torch.Tensor) -> list:
     """The DWABuffers reachable from `output`'s autograd graph (one per forward pass)."""
-    from pretrain.model.dwa import DWABuffers
-
     found, seen, stack = {}, set(), [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -136,8 +137,6 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
                         loss_fn: Callable | None = None) -> ActivationReport:
     """Forward one micro-batch through `model.loss` (or `loss_fn(tokens, targets)`) and
     report what it keeps (no backward)."""
-    from parallel.strategies.checkpointing import ActivationCheckpointing
-
     exclude = model_storages(model)
     checkpointing = getattr(model, "activation_checkpointing", None)
     recorder: list = []

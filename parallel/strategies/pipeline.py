@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from torch.distributed import pipelining
 
+from parallel.strategies import ddp
 from parallel.strategies.plan import build_plan
 from parallel.strategies.schedule import schedule_name, schedule_problem
 from parallel.strategies.stage_model import StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
+from pretrain.model.state import full_model_state, load_full_model_state
 
 # Parameters replicated over the pipeline group carry this attribute on every rank but one,
 # so that a global gradient norm counts them once (the tied embedding on the last stage,
@@ -52,9 +56,6 @@ class PipelineRunner:
                  transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
                  sequence_parallel: bool = False, activation_checkpointing: bool = False,
                  ddp_group=None, boundary_dtype: torch.dtype = torch.float32):
-        from megatron.core import parallel_state as ps
-        from torch.distributed import pipelining
-
         self.device = device or torch.device("cpu")
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp, self.pp_rank = self.pp_group.size(), self.pp_group.rank()
@@ -94,8 +95,6 @@ class PipelineRunner:
         # every parameter of its StageModel (the alphas of a stage without a DWA).
         submodules = self.modules
         if ddp_group is not None:
-            from parallel.strategies import ddp
-
             if virtual_stages > 1:
                 raise ValueError("DDP stage modules need virtual_stages = 1 (interleaved "
                                  "stages share parameters)")
@@ -231,8 +230,6 @@ class PipelineRunner:
     def gather_to_main(self, local: dict) -> dict:
         """Merge each pipeline rank's {name: ...} on pipeline rank 0 of TP rank 0 / DP rank 0
         (global rank 0); elsewhere the local dict comes back."""
-        from megatron.core import parallel_state as ps
-
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return local
         parts = [None] * self.pp if self.pp_rank == 0 else None
@@ -247,8 +244,6 @@ class PipelineRunner:
 
     def full_model_state(self) -> dict:
         """{name: full tensor} of the whole model on global rank 0 (collective)."""
-        from pretrain.model.state import full_model_state
-
         return self.gather_to_main(full_model_state(self.model))
 
     def local_model_state(self, state: dict) -> dict:
@@ -261,6 +256,4 @@ class PipelineRunner:
 
     def load_model_state(self, state: dict) -> None:
         """Load this rank's parameters from a full (single-process) model state."""
-        from pretrain.model.state import load_full_model_state
-
         load_full_model_state(self.model, self.local_model_state(state))

@@ -47,9 +47,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import nn
 
+from parallel.primitives.deepspeed_compat import (
+    create_optimizer_state,
+    relink_optimizer_state,
+    update_count,
+)
 from parallel.strategies.config import ParallelSection
+from pretrain.model.init import local_shard
+from pretrain.model.state import _gather_full
 
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "pyproject.toml").exists():  # a checkout: keep the JIT-built op next to it
@@ -67,8 +75,6 @@ class MegatronMPU:
     (tests/test_timeouts.py reads the timeout of every group after a ZeRO step)."""
 
     def __init__(self):
-        from megatron.core import parallel_state
-
         self.state = parallel_state
 
     def get_data_parallel_group(self):
@@ -179,6 +185,7 @@ def _external_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _quiet_deepspeed() -> None:
+    # deferred: pulls in DeepSpeed (slow to start, or optional)
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
@@ -190,6 +197,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  parallel: ParallelSection, batch_size: int, grad_clip: float,
                  dtype: torch.dtype = torch.float32):
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         import deepspeed
 
         if parallel.zero_stage not in (1, 2, 3):
@@ -218,6 +226,7 @@ class ZeroEngine:
             dist_init_required=False)
         self.client_optimizer = optimizer  # its param groups now hold DeepSpeed's flat copies
         if self.stage == 3:
+            # deferred: pulls in DeepSpeed (slow to start, or optional)
             from deepspeed.runtime.zero import register_external_parameter
 
             for param in _external_parameters(model):
@@ -252,9 +261,8 @@ class ZeroEngine:
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 tensor}, as `pretrain.model.state.full_model_state` (collective:
         gathered over DP where ZeRO partitions, and over TP)."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_get_full_fp32_param
-
-        from pretrain.model.state import _gather_full
 
         tp_group = self.mpu.get_tensor_model_parallel_group()
         state = {}
@@ -266,10 +274,8 @@ class ZeroEngine:
     def full_optimizer_state(self) -> dict:
         """AdamW state {name: {"step", "exp_avg", "exp_avg_sq"}} with full tensors, as
         `pretrain.model.state.full_optimizer_state`; empty before the first update."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_get_full_optimizer_state
-
-        from parallel.primitives.deepspeed_compat import relink_optimizer_state, update_count
-        from pretrain.model.state import _gather_full
 
         step = update_count(self.engine.optimizer)
         if step is None:
@@ -286,10 +292,8 @@ class ZeroEngine:
 
     def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
         """Set parameters (model copy and fp32 master) and AdamW state from full tensors."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        from parallel.primitives.deepspeed_compat import create_optimizer_state
-        from pretrain.model.init import local_shard
 
         model = self.model
         params = dict(model.named_parameters())
@@ -322,6 +326,7 @@ class ZeroEngine:
         if self.stage != 3:
             yield
             return
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.runtime.zero import GatheredParameters
 
         with GatheredParameters(list(self.model.parameters())):
@@ -331,6 +336,7 @@ class ZeroEngine:
         """Context in which a ZeRO-3 parameter is whole; writes by rank 0 are partitioned."""
         if self.stage != 3:
             return contextlib.nullcontext()
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.runtime.zero import GatheredParameters
 
         return GatheredParameters([param], modifier_rank=0)
@@ -338,6 +344,7 @@ class ZeroEngine:
 
 def build_ops() -> None:
     """JIT-build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (once)."""
+    # deferred: pulls in DeepSpeed (slow to start, or optional)
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")

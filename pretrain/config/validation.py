@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 from parallel.strategies.config import ParallelSection
+from parallel.strategies.schedule import schedule_problem
 from pretrain.config.coercion import coerce
 from pretrain.config.sections import SECTIONS, Config, key_name
 from pretrain.model.config import RANGE, ConfigError, ModelConfigError, Range, numeric_kind
@@ -30,8 +31,6 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
     """Stage count, explicit split and micro-batch count against the pipeline schedule."""
-    from parallel.strategies.schedule import schedule_problem
-
     _check(p.virtual_stages == 1 or p.pp > 1, "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pp > 1 (interleaved 1F1B)")
     stages = p.pp * p.virtual_stages
