@@ -59,7 +59,7 @@ from parallel.strategies.config import ParallelSection
 from pretrain.model.init import local_shard
 from pretrain.model.state import _gather_full
 
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]  # parallel/strategies/zero.py -> the checkout
 if (_REPO / "pyproject.toml").exists():  # a checkout: keep the JIT-built op next to it
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".torch_extensions"))
 
