@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from data_pipeline import DataError
+from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file
 from pretrain import checkpoint
 from pretrain.config import ConfigError
 from pretrain.model.config import DenseFormerConfig
@@ -209,9 +210,6 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
     """Copy the run's tokenizer into run_dir, for `load_model` and `generate`. A fresh run
     replaces any copy there; a resumed one keeps its own (a different tokenizer is then
     named by the checkpoint's fingerprint check) and gains one if it had none."""
-    # deferred: pulls in sentencepiece (slow to start, or optional)
-    from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file
-
     if not fresh and find_tokenizer_file(run_dir) is not None:
         return
     try:

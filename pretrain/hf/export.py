@@ -26,6 +26,8 @@ import os
 import shutil
 from pathlib import Path
 
+import sentencepiece as spm
+
 from pretrain.config import ConfigError
 
 MODELING_FILE = "modeling_denseformer.py"
@@ -165,9 +167,6 @@ def _tokenizer_config(tokenizer) -> dict:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
         token_text = RustTokenizer.from_file(str(tokenizer.path)).id_to_token
     else:
-        # deferred: pulls in sentencepiece (slow to start, or optional)
-        import sentencepiece as spm
-
         token_text = spm.SentencePieceProcessor(model_file=str(tokenizer.path)).id_to_piece
     for key, token_id in (("eos_token", tokenizer.eos_id), ("bos_token", tokenizer.bos_id),
                           ("pad_token", tokenizer.eos_id)):
