@@ -28,7 +28,7 @@ MODES = ("none", "blocks", "model")
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from parallel.layout import setup_layout
+    from parallel.primitives.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine
 
@@ -44,7 +44,8 @@ def measure(args: argparse.Namespace) -> dict:
         steps, first = {}, {}
         for mode in MODES:
             cfg = load_config(None, [*base, *extra, f"train.compile={mode}"])
-            engine = build_engine(cfg.model, cfg, setup_layout(cfg), torch.float32)
+            layout = setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
+            engine = build_engine(cfg.model, cfg, layout, torch.float32)
 
             def step(engine=engine) -> None:
                 engine.forward_backward(tokens[:, :-1], tokens[:, 1:], 1)

@@ -34,7 +34,7 @@ from host_memory import status_kib  # noqa: E402
 def _engine(args: argparse.Namespace, mode: str):
     import torch
 
-    from parallel.layout import setup_layout
+    from parallel.primitives.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine
 
@@ -44,7 +44,7 @@ def _engine(args: argparse.Namespace, mode: str):
                  f"parallel.microbatches={args.microbatches}", "optim.warmup_steps=1",
                  f"parallel.dp_reduction={mode}"]
     cfg = load_config(None, overrides, world_size=2)
-    layout = setup_layout(cfg)
+    layout = setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
     engine = build_engine(cfg.model, cfg, layout, torch.float32)
     gen = torch.Generator().manual_seed(layout.dp_rank)
     tokens = torch.randint(0, 4096, (args.batch, args.seq + 1), generator=gen)

@@ -32,8 +32,8 @@ TABLE_MODELS = {"transformer": dict(dwa=False), "dense-1x1": dict(dwa_dilation=1
 
 def boundary_table(layers: int = 48, pp: int = 4, width: int = 768, seq: int = 256,
                    micro_batch: int = 8, vocab: int = 50304) -> dict:
-    """{model: plan report (parallel.plan.PipelinePlan.report)} with an even split."""
-    from parallel.plan import build_plan
+    """{model: plan report (parallel.strategies.plan.PipelinePlan.report)} with an even split."""
+    from parallel.strategies.plan import build_plan
     from pretrain.model.config import DenseFormerConfig
 
     out = {}
@@ -79,7 +79,7 @@ def time_pp1(args: dict) -> dict[str, float]:
     """Median step time (s) of the single-process micro-batch loop, one thread."""
     import torch
 
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.model import DenseFormer
 
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def time_pp2(args: dict) -> dict[str, dict]:
     import torch
     import torch.distributed as dist
 
-    from parallel.pipeline import PipelineRunner
+    from parallel.strategies.pipeline import PipelineRunner
 
     m = args["microbatches"]
     tokens = torch.randint(0, args["vocab"], (args["batch"], args["seq"] + 1),

@@ -21,7 +21,7 @@ picks some (a comma list), in this order:
   spec and the measured matmul peak, our memory against the estimate; 11 goals), profile
   (the top 15 kernels of one step of each) and compile (eager against every block
   compiled);
-- memory: parallel.memory's activation estimate against torch.cuda.max_memory_allocated;
+- memory: parallel.strategies.memory's activation estimate against torch.cuda.max_memory_allocated;
 - tests (gpu_check_tests.py): the model's equivalences on the device, a real `python -m
   pretrain train` run with stop and resume, then `pytest -m gpu` in the time left.
 

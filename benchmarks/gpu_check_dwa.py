@@ -18,8 +18,8 @@
   33): at most 1.3x the floor, each storage dtype.
 - dwa_compiled (its own part, `--only dwa_compiled`: compilation takes minutes): our
   Transformer and DenseFormer 1x1 and 4x5 at both storage dtypes, compiled as
-  `train.compile` does (parallel/compile.py): `blocks` (every block compiled, the buffered
-  DWAs eager between them) for every row, `model` (the whole loss one graph, the DWAs as
+  `train.compile` does (parallel/strategies/compile.py): `blocks` (every block compiled, the
+  buffered DWAs eager between them) for every row, `model` (the whole loss one graph, the DWAs as
   the custom op of pretrain/model/dwa_op.py) for the Transformer and 1x1 bf16, and 1x1
   bf16 with `model.dwa_impl: torch` (its products traced by inductor instead); each
   against the Transformer compiled the same way. Goals from issue 33 (default rows).
@@ -230,7 +230,7 @@ def section_dwa_compiled(device: torch.device, shapes: Shapes, fused: bool) -> d
 
     from gpu_check_timing import sync
 
-    from parallel.compile import apply_compile
+    from parallel.strategies.compile import apply_compile
 
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     rows = our_rows(with_torch=True)

@@ -235,12 +235,12 @@ def cuda_activation_bytes(model, batch: torch.Tensor, dtype: torch.dtype) -> dic
 
 
 def section_memory(device: torch.device, shapes: Shapes) -> dict:
-    """parallel.memory's activation estimate (on a GPU with autocast's weight copies and the
-    chunked loss's working set, which the measured peak holds too) against what a
+    """parallel.strategies.memory's activation estimate (on a GPU with autocast's weight copies and
+    the chunked loss's working set, which the measured peak holds too) against what a
     micro-batch really takes, for `block` and `dwa_block` checkpointing (on the CPU: the
     autograd probe, fp32)."""
-    from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory import estimate
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.memory import estimate
 
     dtypes = ("bf16", "fp32") if device.type == "cuda" else ("fp32",)
     rows = []
@@ -254,18 +254,19 @@ def section_memory(device: torch.device, shapes: Shapes) -> dict:
                 est_cfg = load(name, shapes, f"train.batch_size={shapes.memory_batch}",
                                "parallel.microbatches=1", f"train.dtype={dtype}",
                                f"parallel.activation_checkpointing={mode}")
-                est = estimate(est_cfg, 1, device=device.type)[0]
+                est = estimate(est_cfg.parallel, est_cfg.model, est_cfg.train.batch_size,
+                               est_cfg.train.dtype, 1, device.type)[0]
                 estimated = est.activation_bytes
                 if device.type == "cuda":  # the peak holds autocast's copies, the loss's chunk
                     estimated += est.autocast_copies_bytes + est.loss_working_set_bytes
                     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
                     measured = cuda_activation_bytes(model, batch, torch_dtype)
                 else:
-                    from parallel.memory_probe import measure_activations
+                    from parallel.strategies.memory_probe import measure_activations
 
                     report = measure_activations(model, batch[:, :-1], batch[:, 1:])
                     measured = {"measured_bytes": report.total_bytes,
-                                "method": "parallel.memory_probe (saved tensors, fp32)"}
+                                "method": "parallel.strategies.memory_probe (saved tensors, fp32)"}
                 rows.append({"model": name, "mode": mode, "dtype": dtype,
                              "estimated_bytes": estimated, **measured,
                              "estimate_terms": {

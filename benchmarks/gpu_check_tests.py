@@ -76,7 +76,7 @@ def device_equivalence(device: torch.device) -> dict:
     and every gradient), and the bf16-autocast loss against fp32."""
     from gpu_check_perf import CPU_SHAPES, build, load, synthetic_batch
 
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
     from pretrain.evaluate import autocast_for
 
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

@@ -5,13 +5,13 @@ our Transformer against the nanoGPT-style anchors, and where one step's time goe
   sequence; the paper Transformer, 48 x 768, vocabulary 50304, bf16 autocast, fused AdamW),
   ours, `anchor-rope` (the anchor with RoPE in plain ops: our architecture) and `anchor`
   (learned positions), benchmarks/nanogpt_anchor.py, first all eager, then all compiled
-  (ours as `train.compile: auto` picks on a GPU, parallel/compile_choice.py; each anchor
+  (ours as `train.compile: auto` picks on a GPU, parallel/strategies/compile_choice.py; each anchor
   whole), each trio interleaved (gpu_check_timing.py): tokens/s, MFU against the spec peak
   and against the measured matmul peak, our tokens/s over each anchor's (their step over
   ours, per round) as a median with its interval, the first compiled step's time; and our
   activation memory at each shape, measured (torch.cuda.max_memory_allocated over a forward
   and backward, parameters, gradients and AdamW state excluded) against the estimate
-  (parallel/memory.py: activations, autocast's weight copies, the chunked loss's working
+  (parallel/strategies/memory.py: activations, autocast's weight copies, the chunked loss's working
   set). A shape is skipped (`skipped_shapes`) when the time left (SCOREBOARD_BUDGET_S) is
   less than the last shape's compilation (its first compiled steps) plus the rest of its
   time scaled by the tokens. Goals (issue 34): ours over
@@ -55,11 +55,12 @@ def trainees(device: torch.device, shapes: perf.Shapes, fused: bool, *extra: str
 
 def compiled(trainee: perf.Trainee, name: str, cfg, backend: str) -> perf.Trainee:
     """`trainee` compiled: ours as train.compile=auto picks on a GPU, an anchor whole."""
-    from parallel.compile import apply_compile
-    from parallel.compile_choice import compile_mode
+    from parallel.strategies.compile import apply_compile
+    from parallel.strategies.compile_choice import compile_mode
 
     if name == "transformer":
-        apply_compile(trainee.model, compile_mode(cfg, "cuda")[0], backend)
+        mode = compile_mode(cfg.train.compile, cfg.parallel, cfg.model, "cuda")[0]
+        apply_compile(trainee.model, mode, backend)
         model = trainee.model
         trainee.loss = lambda: model.loss(*trainee.inputs_and_targets)
     else:
@@ -112,11 +113,12 @@ def run_shape(device, shapes: perf.Shapes, fused: bool, peak: dict, batch: int,
 
 def memory_row(trainee: perf.Trainee, device, shapes: perf.Shapes, extra) -> dict:
     """Our activation memory at this shape against the estimate (module docstring)."""
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
 
     dtype = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
     cfg = perf.load("transformer", shapes, *extra, f"train.dtype={dtype}")
-    est = estimate(cfg, 1, device=device.type)[0]
+    est = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 1,
+                   device.type)[0]
     terms = {"activation_bytes": est.activation_bytes,
              "autocast_copies_bytes": est.autocast_copies_bytes,
              "loss_working_set_bytes": est.loss_working_set_bytes}
@@ -124,12 +126,12 @@ def memory_row(trainee: perf.Trainee, device, shapes: perf.Shapes, extra) -> dic
         estimated = sum(terms.values())
         measured = perf.cuda_activation_bytes(trainee.model, trainee.batch, shapes.dtype)
     else:  # the CPU probe sees what autograd keeps: the activation term
-        from parallel.memory_probe import measure_activations
+        from parallel.strategies.memory_probe import measure_activations
 
         estimated = est.activation_bytes
         report = measure_activations(trainee.model, *trainee.inputs_and_targets)
         measured = {"measured_bytes": report.total_bytes,
-                    "method": "parallel.memory_probe (saved tensors, fp32)"}
+                    "method": "parallel.strategies.memory_probe (saved tensors, fp32)"}
     return {"dtype": dtype, "estimated_bytes": estimated, "estimate_terms": terms, **measured,
             "measured_over_estimated": measured["measured_bytes"] / estimated}
 

@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 from data_pipeline import DataError
+from data_pipeline.demo_corpus import build_demo_corpus
 from data_pipeline.prepare import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SHARD_MB,
     DEFAULT_TOKENIZER_TRAIN_MB,
     DEFAULT_VAL_FRACTION,
     DEFAULT_VOCAB_SIZE,
+    prepare_dataset,
 )
+from data_pipeline.verify import inspect_dataset, summary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,17 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo-corpus":
-            from data_pipeline.demo_corpus import build_demo_corpus
-
             stats = build_demo_corpus(args.out, args.max_mb)
             print(
                 f"wrote {args.out}: {stats['documents']} documents from {stats['files']} files, "
                 f"{stats['bytes'] / 1e6:.2f} MB of text (stdlib {stats['stdlib']})"
             )
         elif args.command == "prepare":
-            from data_pipeline.prepare import prepare_dataset
-            from data_pipeline.verify import summary
-
             index = prepare_dataset(
                 args.input,
                 args.out,
@@ -131,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(summary(index))
         elif args.command == "inspect":
-            from data_pipeline.verify import inspect_dataset
-
             print(inspect_dataset(args.data_dir, num_decoded=args.samples))
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_pipeline import DataError
+from data_pipeline.shard_layout import record_bytes, samples_for_bytes, shard_bytes
 
 INDEX_FILE = "index.json"
 FORMAT_NAME = "denseformer-data"
@@ -215,7 +216,6 @@ def check_index_files(index: DatasetIndex) -> None:
     fewer (a silent subset) is refused here.
     """
     # Imported here: shards.py imports this module for the shard and sample names.
-    from data_pipeline.shard_layout import record_bytes, samples_for_bytes, shard_bytes
 
     tokenizer_path = index.tokenizer_path
     if not tokenizer_path.is_file():

@@ -124,6 +124,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         super().__init__(path)
         try:
+            # deferred: pulls in tokenizers (slow to start, or optional)
             from tokenizers import Tokenizer as RustTokenizer
         except ImportError as error:
             raise DataError(f"{path}: reading a tokenizer.json needs the `tokenizers` package: "

@@ -11,6 +11,7 @@ __all__ = ["load_model"]
 
 def __getattr__(name: str):
     if name == "load_model":
+        # deferred: pulls in sentencepiece, torch (slow to start, or optional)
         from pretrain.load import load_model
 
         return load_model

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pretrain import checkpoint
 from pretrain.config import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where it is used: `python -m pretrain` stays quick
@@ -64,6 +65,7 @@ def dwa_row_stats(matrix: torch.Tensor, mask: list[list[bool]]) -> list[dict]:
 def dwa_summary(rows: list[dict], matrix: torch.Tensor, mask: list[list[bool]]) -> dict:
     """The row statistics over all DWAs: means of row sum, X_0 and own weight; the share of
     all weights that are negative, their mean |alpha| and the most negative one."""
+    # deferred: pulls in torch (slow to start, or optional)
     import torch
 
     live = torch.tensor(mask, dtype=torch.bool)
@@ -96,6 +98,7 @@ def checkpoint_entry(step: int | None, path: Path, matrix: torch.Tensor,
 
 def _saved_alpha(path: Path) -> torch.Tensor:
     """The dwa_alpha tensor of a native checkpoint, read without the other weights."""
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain import checkpoint, sharded_checkpoint
 
     manifest = checkpoint.read_manifest(path)
@@ -109,6 +112,7 @@ def write_checkpoint_heatmap(path: Path, pattern, directory: Path) -> Path | Non
     """The heatmap of checkpoint `path`'s alphas as directory/step-XXXXXXXX.png, read from
     the files (so any layout, ZeRO-3 included); None for a model without DWA. `pattern`:
     the model's `DWAPattern`. The trainer calls it on rank 0 after each save."""
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.dwa_plots import heatmap_name, write_dwa_heatmap
 
     if pattern.period is None:
@@ -120,8 +124,6 @@ def write_checkpoint_heatmap(path: Path, pattern, directory: Path) -> Path | Non
 
 
 def _step(path: Path) -> int | None:
-    from pretrain import checkpoint
-
     if not (path / checkpoint.MANIFEST).is_file():
         return None  # an exported directory
     return int(checkpoint.read_manifest(path)["step"])
@@ -130,9 +132,10 @@ def _step(path: Path) -> int | None:
 def collect(args: argparse.Namespace) -> tuple[torch.nn.Module, list[tuple[int | None, Path,
                                                                           torch.Tensor]]]:
     """(the model, [(step, checkpoint path, alpha matrix)]) of --checkpoint or --run."""
+    # deferred: pulls in torch (slow to start, or optional)
     import torch
 
-    from pretrain import checkpoint
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from pretrain.load import load_model
 
     source = Path(args.run or args.checkpoint)
@@ -157,7 +160,8 @@ def collect(args: argparse.Namespace) -> tuple[torch.nn.Module, list[tuple[int |
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out."""
-    from parallel import groups
+    # deferred: pulls in torch (slow to start, or optional)
+    from parallel.primitives import groups
     from pretrain.dwa_plots import heatmap_name, write_dwa_grid, write_dwa_heatmap
 
     out = Path(args.out)

@@ -9,11 +9,18 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
+from data_pipeline import DataError
+from data_pipeline.index import read_index
 from pretrain import analyze, generate_cli, lm_eval_cli
-from pretrain.config import override_argument
+from pretrain.checkpoint import CheckpointError
+from pretrain.config import ConfigError, config_to_dict, load_config, override_argument
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_USAGE
 from pretrain.hf import export as hf_export
 from pretrain.hf import import_llama as hf_import
+from pretrain.model.config import ModelConfigError
+from pretrain.run_files import RunFileError
 
 
 def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -52,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from pretrain.config import load_config
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.signals import StopRequest
     from pretrain.train import distributed_session, run_training
 
@@ -63,7 +70,8 @@ def cmd_train(args) -> int:
         with StopRequest() as stop, distributed_session():
             return run_training(cfg, stop)
     except RuntimeError as err:  # a peer that is gone: one line instead of gloo's traceback
-        from parallel.groups import peer_lost
+        # deferred: pulls in torch (slow to start, or optional)
+        from parallel.primitives.groups import peer_lost
 
         line = peer_lost(err, cfg.parallel.timeout_s)
         if line is None:
@@ -74,16 +82,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_config(args) -> int:
-    import yaml
-
-    from pretrain.config import config_to_dict, load_config
-
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     vocab = cfg.model.vocab_size
     if vocab is None and cfg.data.path and (Path(cfg.data.path) / "index.json").exists():
-        from data_pipeline.index import read_index
-
         vocab = read_index(cfg.data.path, check_files=False).vocab_size
     if vocab is None:
         print("# parameters: unknown until model.vocab_size is set or data.path is prepared")
@@ -95,9 +97,9 @@ def cmd_config(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from parallel import groups
+    # deferred: pulls in megatron-core, torch (slow to start, or optional)
+    from parallel.primitives import groups
     from pretrain import checkpoint, sharded_checkpoint
-    from pretrain.config import ConfigError, load_config
     from pretrain.evaluate import evaluate
     from pretrain.model import DenseFormer
     from pretrain.model.state import load_full_model_state
@@ -132,7 +134,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_checkpoint(args) -> int:
-    from pretrain.checkpoint_tools import run_tool
+    # deferred: pulls in torch (slow to start, or optional)
+    from pretrain.checkpoint_cli import run_tool
 
     return run_tool(args.tool, Path(args.path), getattr(args, "verify", False),
                     Path(args.out) if getattr(args, "out", None) else None)
@@ -173,12 +176,6 @@ def status_meaning(command: str, status: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data_pipeline import DataError
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.config import ConfigError
-    from pretrain.model.config import ModelConfigError
-    from pretrain.run_files import RunFileError
-
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "config": cmd_config, "eval": cmd_eval,
                "checkpoint": cmd_checkpoint, "generate": generate_cli.cmd_generate,

@@ -4,6 +4,8 @@ queueing (slurm/preflight.py). Torch-free."""
 
 from __future__ import annotations
 
+from data_pipeline.index import read_index
+from data_pipeline.tokenizer import check_index_vocabulary
 from pretrain.config import Config, ConfigError
 
 
@@ -14,9 +16,6 @@ def check_data(cfg: Config, index=None):
     (and checked) for this path. Raises ConfigError naming the key, or DataError naming the
     file. A model.seq_len longer than the data's is no error: the run trains at the data's
     length (`trained_seq_len`)."""
-    from data_pipeline.index import read_index
-    from data_pipeline.tokenizer import check_index_vocabulary
-
     if cfg.data.path is None:
         raise ConfigError("data.path", "is required: a directory written by "
                           "`python -m data_pipeline prepare`")

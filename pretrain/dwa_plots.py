@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CMAP = "RdBu_r"
@@ -61,6 +62,7 @@ def write_dwa_grid(matrices: Sequence[tuple[int | None, torch.Tensor]],
 
 
 def _figure(panels: int):
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -82,7 +84,7 @@ def _limit(matrices: Sequence, mask: Sequence[Sequence[bool]]) -> float:
 
 
 def _draw(ax, matrix, mask: Sequence[Sequence[bool]], limit: float):
-    import numpy as np
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib import colormaps
 
     values = torch.as_tensor(matrix, dtype=torch.float32).numpy()

@@ -4,11 +4,11 @@ An `Engine` is two independent choices, made once by `build_engine`:
 
 - the **forward** runs the micro-batches of a step: the whole model on this rank
   (`LocalForward`, tensor-parallel shards inside it) or this rank's pipeline stages under
-  their schedule (`PipelineForward`, parallel/pipeline.py);
+  their schedule (`PipelineForward`, parallel/strategies/pipeline.py);
 - the **update** turns the accumulated gradients into new weights: our AdamW with the
-  data-parallel mean taken by torch's DDP during the backward (parallel/ddp.py) or, with
+  data-parallel mean taken by torch's DDP during the backward (parallel/strategies/ddp.py) or, with
   `parallel.dp_reduction: flat`, in one all-reduce after it (`AdamWUpdate`), or DeepSpeed's
-  ZeRO engine, which reduces, clips and steps itself (`ZeroUpdate`, parallel/zero.py).
+  ZeRO engine, which reduces, clips and steps itself (`ZeroUpdate`, parallel/strategies/zero.py).
 
 The trainer calls `forward_backward`, `update`, `eval_model`, `sharded_state` and
 `load_sharded_state` and never asks which combination it holds. State goes in and out under
@@ -27,20 +27,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compile import apply_compile
-from parallel.compile_choice import compile_mode
-from parallel.ddp import BUCKET_CAP_MB
-from parallel.layout import Layout, average_gradients, gradient_norm
-from parallel.tensor import allreduce_sequence_parallel_grads
-from pretrain.optim import is_fused, step_if_finite
+from parallel.primitives.layout import Layout, average_gradients, gradient_norm
+from parallel.primitives.tensor import allreduce_sequence_parallel_grads
+from parallel.strategies.checkpointing import apply_activation_checkpointing
+from parallel.strategies.compile import apply_compile
+from parallel.strategies.compile_choice import compile_mode
+from parallel.strategies.ddp import BUCKET_CAP_MB, DDPLoss
+from parallel.strategies.pipeline import PipelineRunner
+from parallel.strategies.zero import ZeroEngine
+from pretrain import sharded_checkpoint, zero_checkpoint
+from pretrain.model import DenseFormer
+from pretrain.optim import build_optimizer, is_fused, step_if_finite
 
 
 class AdamWUpdate:
     """Our AdamW: DP mean of the gradients, global norm, clipping, a step unless non-finite.
 
-    The DP mean is taken during the backward by torch DDP when `ddp` (a `parallel.ddp.DDPLoss`
-    the micro-batches run through) is given or `reduced_in_backward` says the pipeline's
-    stages are DDP modules; otherwise here, in one flat all-reduce after the backward."""
+    The DP mean is taken during the backward by torch DDP when `ddp` (a
+    `parallel.strategies.ddp.DDPLoss` the micro-batches run through) is given or
+    `reduced_in_backward` says the pipeline's stages are DDP modules; otherwise here, in one
+    flat all-reduce after the backward."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
                  grad_clip: float, ddp=None, reduced_in_backward: bool = False):
@@ -86,14 +92,10 @@ class AdamWUpdate:
 
     def sharded_state(self) -> dict:
         """What this rank holds, no more: its TP shards and its stages' parameters."""
-        from pretrain import sharded_checkpoint
-
         return sharded_checkpoint.local_state(self.model, self.optimizer)
 
     def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
                      fill: dict | None = None) -> None:
-        from pretrain import sharded_checkpoint
-
         sharded_checkpoint.load_local(path, manifest, self.model,
                                       None if weights_only else self.optimizer, fill)
 
@@ -101,7 +103,7 @@ class AdamWUpdate:
 class ZeroUpdate:
     """DeepSpeed's ZeRO engine: it scales, reduces over DP, clips and steps itself."""
 
-    def __init__(self, zero):  # parallel.zero.ZeroEngine
+    def __init__(self, zero):  # parallel.strategies.zero.ZeroEngine
         self.zero = zero
 
     @property
@@ -124,14 +126,10 @@ class ZeroUpdate:
     def sharded_state(self) -> dict:
         """This rank's ZeRO partition: flat ranges of its parameters' master weights and
         AdamW moments, as row-blocks of the global tensors (no gather)."""
-        from pretrain import zero_checkpoint
-
         return zero_checkpoint.local_state(self.zero)
 
     def load_sharded(self, path: Path, manifest: dict, weights_only: bool = False,
                      fill: dict | None = None) -> None:
-        from pretrain import zero_checkpoint
-
         zero_checkpoint.load_local(path, manifest, self.zero, weights_only, fill)
 
 
@@ -161,7 +159,7 @@ class LocalForward:
 class PipelineForward:
     """This rank's stages: the schedule runs the micro-batches and the backward."""
 
-    def __init__(self, runner):  # parallel.pipeline.PipelineRunner
+    def __init__(self, runner):  # parallel.strategies.pipeline.PipelineRunner
         self.runner = runner
 
     def forward_backward(self, tokens, targets, microbatches: int, update) -> torch.Tensor:
@@ -183,7 +181,8 @@ class Engine:
         self.model, self.optimizer, self.layout = model, optimizer, layout
         self.forward, self.update_rule = forward, update
         self.reduction = reduction  # dp_reduction's answer
-        self.compiled = compiled  # (train.compile's mode, why: parallel/compile_choice.py)
+        # (train.compile's mode, why: parallel/strategies/compile_choice.py)
+        self.compiled = compiled
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -247,15 +246,11 @@ class Engine:
 def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
     """The model (whole, or this rank's pipeline stages), its AdamW and, with
     parallel.zero_stage, DeepSpeed around them."""
-    from pretrain.optim import build_optimizer
-
     p = cfg.parallel
     reduction = dp_reduction(cfg, layout)
-    compiled = compile_mode(cfg, layout.device.type)
+    compiled = compile_mode(cfg.train.compile, p, model_cfg, layout.device.type)
     ddp = None
     if layout.pp > 1:
-        from parallel.pipeline import PipelineRunner
-
         local_batch = cfg.train.batch_size // layout.dp
         runner = PipelineRunner(
             model_cfg, microbatches=p.microbatches, micro_batch=local_batch // p.microbatches,
@@ -267,23 +262,17 @@ def build_engine(model_cfg, cfg, layout: Layout, dtype: torch.dtype) -> Engine:
         model, forward = runner.model, PipelineForward(runner)
         apply_compile(model, compiled[0], cfg.train.compile_backend)
     else:
-        from parallel.checkpointing import apply_activation_checkpointing
-        from pretrain.model import DenseFormer
-
         model = DenseFormer(model_cfg, seed=cfg.train.seed,
                             sequence_parallel=p.sequence_parallel).to(layout.device)
         apply_activation_checkpointing(model, p.activation_checkpointing, p.checkpoint_every)
         apply_compile(model, compiled[0], cfg.train.compile_backend)
         forward = LocalForward(model)
         if reduction == "ddp":
-            from parallel.ddp import DDPLoss
-
             ddp = DDPLoss(model, layout.dp_group)
     optimizer = build_optimizer(model, cfg.optim)
     if p.zero_stage:
-        from parallel.zero import ZeroEngine
-
-        update = ZeroUpdate(ZeroEngine(model, optimizer, cfg, dtype=dtype))
+        update = ZeroUpdate(ZeroEngine(model, optimizer, p, cfg.train.batch_size,
+                                       cfg.optim.grad_clip, dtype=dtype))
     else:
         update = AdamWUpdate(model, optimizer, layout, cfg.optim.grad_clip, ddp,
                              reduced_in_backward=reduction == "ddp")
@@ -294,7 +283,7 @@ def dp_reduction(cfg, layout: Layout) -> str:
     """How this run averages gradients over data parallelism: "ddp" (torch DDP, during the
     backward), "flat" (one all-reduce after it), "zero" (DeepSpeed) or "none" (DP = 1).
     `parallel.dp_reduction: ddp` falls back to flat for interleaved pipeline stages, whose
-    stage modules share parameters (parallel/ddp.py)."""
+    stage modules share parameters (parallel/strategies/ddp.py)."""
     p = cfg.parallel
     if p.zero_stage:
         return "zero"

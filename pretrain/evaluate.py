@@ -8,6 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from data_pipeline import DataError
+
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
     """bf16 autocast context (fp32 runs get a no-op context)."""
@@ -25,7 +27,7 @@ def evaluate(model, data_dir, local_batch: int, *, dp_rank: int, dp_size: int, d
     Samples are cut to `seq_len` + 1 tokens, as training cuts them (data may be prepared
     longer than the model). A data error on any rank is raised on every rank (DataError), so
     no rank waits for a peer that gave up."""
-    from data_pipeline import DataError
+    # deferred: pulls in sentencepiece, wids (slow to start, or optional)
     from data_pipeline.loader import validation_batches
 
     was_training = model.training

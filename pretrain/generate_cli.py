@@ -103,7 +103,8 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Load the model, generate for every prompt, print (rank 0); the exit status."""
-    from parallel import groups
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
+    from parallel.primitives import groups
     from pretrain.generation import context_budgets, generate, prompt_ids
     from pretrain.load import load_model
 

@@ -34,6 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from pretrain.generation import generate
+from pretrain.load import load_model
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ class DenseFormerLM(LM):
         """Load `checkpoint` with `pretrain.load.load_model`. `device` is lm-eval's option;
         its default (cuda:0) on a machine without a GPU means this machine's default."""
         super().__init__()
-        from pretrain.load import load_model
 
         if unused:
             log.warning("denseformer: ignoring model_args %s", sorted(unused))

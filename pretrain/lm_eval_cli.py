@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pretrain.config import ConfigError
+from pretrain import checkpoint
+from pretrain.config import ConfigError, load_config
+from pretrain.lm_eval_compat import captured_results
+from pretrain.tracking import bounded_http_requests, default_tracking_uri, mlflow_client
 
 SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's own; anything else is `run`'s options
 
@@ -33,12 +37,13 @@ def add_parser(subparsers) -> None:
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     """Run lm-eval's command line on our model class; log the scores to MLflow."""
     try:
+        # deferred: pulls in lm-eval (slow to start, or optional)
         import lm_eval.__main__ as lm_eval_main
     except ImportError as error:
         raise ConfigError("lm-eval", f"lm-evaluation-harness is not installed ({error}): "
                           'pip install -e ".[eval]"') from None
+    # deferred: pulls in lm-eval, torch (slow to start, or optional)
     from pretrain import lm_eval_adapter  # noqa: F401  (registers `denseformer`)
-    from pretrain.lm_eval_compat import captured_results
 
     argv = lm_eval_argv(args.lm_eval_args)
     saved_argv = sys.argv
@@ -83,6 +88,7 @@ def log_scores(results: dict) -> str | None:
     lm_eval/<task>/<metric> at its step; the run id, or None (said why) when there is none."""
     model_args = results.get("config", {}).get("model_args") or {}
     if isinstance(model_args, str):
+        # deferred: pulls in lm-eval (slow to start, or optional)
         from lm_eval.utils import simple_parse_args_string
 
         model_args = simple_parse_args_string(model_args)
@@ -104,10 +110,6 @@ def log_scores(results: dict) -> str | None:
 def checkpoint_run(path: Path) -> tuple[str, str, int] | str:
     """(tracking URI, MLflow run id, step) of the checkpoint `path` names (a run directory
     stands for its newest complete checkpoint), or the reason there is none."""
-    from pretrain import checkpoint
-    from pretrain.config import load_config
-    from pretrain.tracking import default_tracking_uri
-
     if (path / checkpoint.MANIFEST).is_file():
         step_dir = path
     elif (path / "checkpoints").is_dir():
@@ -126,11 +128,8 @@ def checkpoint_run(path: Path) -> tuple[str, str, int] | str:
 
 
 def _log_metrics(uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
-    import time
-
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.entities import Metric
-
-    from pretrain.tracking import bounded_http_requests, mlflow_client
 
     now = int(time.time() * 1000)
     with bounded_http_requests():

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 def captured_results() -> Iterator[list[dict]]:
     """A list that receives each results dict lm-eval's `simple_evaluate` returns inside
     the block (lm-eval's command line calls it once)."""
+    # deferred: pulls in lm-eval (slow to start, or optional)
     import lm_eval.evaluator as evaluator
 
     original = evaluator.simple_evaluate

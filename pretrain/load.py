@@ -16,11 +16,19 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
+from data_pipeline import DataError
+from data_pipeline.index import read_index
 from data_pipeline.tokenizer import Tokenizer, find_tokenizer_file, load_tokenizer
-from pretrain import checkpoint
-from pretrain.config import Config, load_config
+from parallel.primitives import groups
+from pretrain import checkpoint, sharded_checkpoint
+from pretrain.config import Config, ConfigError, load_config
 from pretrain.model.config import DenseFormerConfig
+from pretrain.model.denseformer import DenseFormer
+from pretrain.model.state import load_full_model_state
 
 EXPORTED_WEIGHTS = "model.safetensors"
 CONFIG_FILE = "config.yaml"
@@ -35,10 +43,6 @@ def load_model(path: str | Path, device: str | torch.device | None = None
                ) -> tuple[torch.nn.Module, Tokenizer]:
     """(model in eval mode on `device` (default: this rank's GPU, else the CPU), tokenizer)
     from a run directory, a native checkpoint or an exported directory."""
-    from parallel import groups
-    from pretrain.model.denseformer import DenseFormer
-    from pretrain.model.state import load_full_model_state
-
     cfg, state, meta, tokenizer = read_trained(Path(path))
     vocab = cfg.model.vocab_size if cfg.model.vocab_size is not None else tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:  # a larger model vocabulary is fine (reserved rows)
@@ -64,16 +68,10 @@ def load_model(path: str | Path, device: str | torch.device | None = None
 
 def _initialize_groups(shape: DenseFormerConfig) -> None:
     """A 1-rank world in a plain session; under torchrun, TP over every rank."""
-    import torch.distributed as dist
-
-    from parallel import groups
-
     tp = None
     if not dist.is_initialized():
         tp = int(os.environ.get("WORLD_SIZE", 1))
         if shape.n_heads % tp or shape.padded_vocab_size % tp:
-            from pretrain.config import ConfigError
-
             raise ConfigError("WORLD_SIZE", f"{tp} ranks cannot split the model's "
                               f"{shape.n_heads} heads and {shape.padded_vocab_size} vocabulary "
                               "rows evenly (generation runs every rank as one TP group)")
@@ -98,9 +96,6 @@ def read_trained(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
 
 
 def _read_exported(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     tokenizer_file = find_tokenizer_file(path)
     if tokenizer_file is None:
         raise checkpoint.CheckpointError(
@@ -118,8 +113,6 @@ def _read_exported(path: Path) -> tuple[Config, dict, dict, Tokenizer]:
 def _read_native(path: Path, run_dir: Path, verified: bool = False
                  ) -> tuple[Config, dict, dict, Tokenizer]:
     """The same of a native checkpoint (`verified`: its hashes were just checked)."""
-    from pretrain import sharded_checkpoint
-
     cfg = _config(run_dir / CONFIG_FILE, [f"run.dir={run_dir}"])
     tokenizer = run_tokenizer(run_dir, cfg)
     loaded = sharded_checkpoint.read_checkpoint(path, optimizer=False,
@@ -129,9 +122,6 @@ def _read_native(path: Path, run_dir: Path, verified: bool = False
 
 def run_tokenizer(run_dir: Path, cfg: Config) -> Tokenizer:
     """The run directory's copy of its tokenizer, else its data index's (sha256 checked)."""
-    from data_pipeline import DataError
-    from data_pipeline.index import read_index
-
     copy = find_tokenizer_file(run_dir)
     if copy is not None:
         return load_tokenizer(copy)

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from pretrain.config import ConfigError
+
 
 def param_groups(model: nn.Module, weight_decay: float, decay_alphas: bool) -> list[dict]:
     """Decay matrices (linear weights, embedding); never norms, biases or gains; the DWA
@@ -34,8 +36,6 @@ def param_groups(model: nn.Module, weight_decay: float, decay_alphas: bool) -> l
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.AdamW:
     """AdamW over `param_groups`, hyper-parameters from the `optim` config section; fused
     as `optim.fused` says (auto: where torch supports it, else foreach)."""
-    from pretrain.config import ConfigError
-
     groups = param_groups(model, optim_cfg.weight_decay, optim_cfg.decay_alphas)
     options = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
     if optim_cfg.fused is False:

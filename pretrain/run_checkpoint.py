@@ -23,11 +23,13 @@ import os
 import shutil
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pretrain import checkpoint, sharded_checkpoint
 from pretrain.run_files import describe_os_error
@@ -41,8 +43,6 @@ def save_run(engine, ckpt_root: Path, step: int, meta: dict[str, Any],
              retention: checkpoint.Retention, rank: int, world: int) -> Path:
     """Write the checkpoint of `step` (collective); its path on every rank, or SaveFailed.
     Rank 0 prunes after the commit as `retention` says."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     tmp_dir = _new_tmp_dir(ckpt_root, step, rank, world)
     written, error = {}, None
     try:
@@ -103,8 +103,6 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self.group = None
         if asynchronous and dist.is_initialized():
-            from datetime import timedelta
-
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.pending: tuple[int, Future] | None = None  # (step, future of the final path)
         # The last save's host copy, reused by the next once that one has committed: one
@@ -127,7 +125,6 @@ class Checkpointer:
             path = save_run(self.engine, self.ckpt_root, step, meta, retention, rank, world)
             self.on_commit(path)
             return path
-        from torch.distributed.checkpoint.api import CheckpointException
 
         tmp_dir = _new_tmp_dir(self.ckpt_root, step, rank, world)
         try:
@@ -230,8 +227,6 @@ def save_error(err: BaseException, ckpt_root: Path, step: int,
     kept. torch's writers report a full disk as their own RuntimeError ("unexpected pos"):
     the OSError is then found in its exception chain, or, failing that, in the free space
     left on the checkpoint's file system."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     file = None
     if isinstance(err, CheckpointException):  # DCP wraps each rank's error: show an OS one
         failures = sorted(err.failures.items())

@@ -15,6 +15,7 @@ warning that the directory is unprotected.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
@@ -26,8 +27,11 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from data_pipeline import DataError
+from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file
 from pretrain import checkpoint
 from pretrain.config import ConfigError
+from pretrain.model.config import DenseFormerConfig
 from pretrain.run_files import describe_os_error
 
 LOCK_FILE = ".lock"
@@ -206,9 +210,6 @@ def _keep_tokenizer(run_dir: Path, path: Path, sha256: str, fresh: bool) -> None
     """Copy the run's tokenizer into run_dir, for `load_model` and `generate`. A fresh run
     replaces any copy there; a resumed one keeps its own (a different tokenizer is then
     named by the checkpoint's fingerprint check) and gains one if it had none."""
-    from data_pipeline import DataError
-    from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file
-
     if not fresh and find_tokenizer_file(run_dir) is not None:
         return
     try:
@@ -234,10 +235,6 @@ def fingerprint(model_section: dict[str, Any], tokenizer_sha256: str, seed: int)
 def saved_model_section(section: dict) -> dict:
     """A checkpoint's model section with the model keys added since it was written at their
     defaults, which is what its model had (gpt blocks, a tied head, ...)."""
-    import dataclasses
-
-    from pretrain.model.config import DenseFormerConfig
-
     defaults = {f.name: f.default for f in dataclasses.fields(DenseFormerConfig)
                 if f.default is not dataclasses.MISSING and f.name not in NOT_FINGERPRINTED}
     return {**defaults, **section}

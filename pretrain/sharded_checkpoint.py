@@ -31,7 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pretrain.checkpoint import (
     CheckpointError,
@@ -45,6 +49,7 @@ from pretrain.checkpoint import (
     write_meta,
 )
 from pretrain.flat_shards import Blocks, FlatShard, LoadPlanner, SavePlanner
+from pretrain.model.init import full_shape, local_shard
 from pretrain.optim import is_fused
 
 TENSOR_DIR = "tensors"  # the DCP directory inside a checkpoint
@@ -63,8 +68,6 @@ def optim_key(name: str, key: str) -> str:
 
 def tp_mesh(model: nn.Module):
     """A 1-D device mesh over the model's tensor-parallel group (None without TP)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     group = getattr(model, "tp_group", None)
     if group is None or group.size() == 1:
         return None
@@ -77,7 +80,6 @@ def _global(param: torch.Tensor, tensor: torch.Tensor, mesh):
     tensor = tensor.detach()
     if mesh is None or not getattr(param, "tensor_model_parallel", False):
         return tensor
-    from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(tensor, mesh, [Shard(param.partition_dim)], run_check=False)
 
@@ -105,8 +107,6 @@ def full_state(model_state: dict, optimizer_state: dict) -> dict:
 
 def writer(directory: Path):
     """DCP's file writer for directory/tensors."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
     # One thread: the file this rank writes is then exactly `__<rank>_0.distcp`.
     return FileSystemWriter(Path(directory) / TENSOR_DIR, single_file_per_rank=True,
                             sync_files=True, thread_count=1, overwrite=True)
@@ -152,9 +152,6 @@ def host_copy(state: dict, dp_rank: int, dp_size: int, reuse: dict | None = None
     by one of them only: the replicas split such tensors by bytes, greedily and identically
     on every rank, so each copies about 1/DP of them (DCP would pick one writer for each
     anyway, but only after planning in the background)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     boxes = {}
     for key, value in state.items():
         if isinstance(value, Blocks):
@@ -198,8 +195,6 @@ def _one_process_is_intended():
 def read_metadata(checkpoint: Path, manifest: dict) -> Metadata:
     """DCP's index of `checkpoint`, after its sha256 matched the manifest's (it is a pickle:
     never unpickle bytes the manifest does not vouch for)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
 
     rel = f"{TENSOR_DIR}/{METADATA_FILE}"
     path = Path(checkpoint) / rel
@@ -220,8 +215,6 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 
 def load_tensors(checkpoint: Path, target: dict, no_dist: bool) -> None:
     """Read `target`'s tensors (plain, DTensor or FlatShard: the slices they stand for)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     reader = FileSystemReader(Path(checkpoint) / TENSOR_DIR)
     try:
         with _one_process_is_intended():
@@ -234,8 +227,6 @@ def load_tensors(checkpoint: Path, target: dict, no_dist: bool) -> None:
 def empty_like_global(param: torch.Tensor, md: TensorStorageMetadata, mesh, key: str,
                        checkpoint: Path):
     """A tensor to read this rank's part of `key` into, its global shape checked."""
-    from pretrain.model.init import full_shape
-
     expected = torch.Size(full_shape(param, mesh.size() if mesh is not None else 1))
     if md.size != expected:
         raise CheckpointError(f"{checkpoint}: {key} has shape {tuple(md.size)}, this model "
@@ -266,8 +257,6 @@ def load_local(checkpoint: Path, manifest: dict, model: nn.Module,
     every rank calls it); CheckpointError naming a missing or misshapen tensor. Without an
     `optimizer`, the weights alone; `fill`: full values of parameters the checkpoint may
     lack (a Transformer's checkpoint has no `dwa_alpha`)."""
-    from pretrain.model.init import local_shard
-
     entries = tensor_entries(read_metadata(checkpoint, manifest))
     mesh = tp_mesh(model)
     params = dict(model.named_parameters())
@@ -322,8 +311,6 @@ def raise_agreed(problem: str | None) -> None:
 
 
 def local_part(tensor):
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

@@ -155,6 +155,7 @@ def bounded_http_requests() -> Iterator[None]:
 def mlflow_client(uri: str):
     """An MlflowClient for `uri`, without MLflow's INFO lines ("Creating initial MLflow
     database tables", alembic's migrations) unless MLFLOW_LOGGING_LEVEL asks for them."""
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.tracking import MlflowClient
 
     # The first `import mlflow` sets the "mlflow" logger to INFO with its own handler
@@ -170,6 +171,7 @@ def ensure_experiment(client: Any, uri: str, name: str,
     """The id of MLflow experiment `name` in the store `uri`, created (with `tags`) if
     missing. With a sqlite store its artifacts go next to the database, not into ./mlruns of
     whatever directory the process runs in."""
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
@@ -266,6 +268,7 @@ class Tracker:
             self.enabled = False
 
     def _open(self, cfg: Config, run_tags: dict[str, str]) -> None:
+        # deferred: pulls in MLflow (slow to start, or optional)
         from mlflow.entities import Param, RunTag
         from mlflow.exceptions import MlflowException
 
@@ -318,6 +321,7 @@ class Tracker:
         requests as MLflow takes (the training loop's rows of a fetch point at once)."""
         if not self.enabled:
             return
+        # deferred: pulls in MLflow (slow to start, or optional)
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -333,6 +337,7 @@ class Tracker:
         value is no param."""
         if not self.enabled:
             return
+        # deferred: pulls in MLflow (slow to start, or optional)
         from mlflow.entities import Param
 
         batch = [Param(k, str(v)) for k, v in params.items() if v is not None]
@@ -343,6 +348,7 @@ class Tracker:
         is no tag (not the string 'None')."""
         if not self.enabled:
             return
+        # deferred: pulls in MLflow (slow to start, or optional)
         from mlflow.entities import RunTag
 
         batch = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
@@ -407,6 +413,7 @@ def _as_metric(value: Any) -> float | None:
 def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path, train_key: str = "loss",
                     val_key: str = "val_loss", title: str | None = None) -> Path:
     """Plot train loss (line) and validation loss (points) against step into a PNG."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -19,17 +19,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_pipeline import DataError
 from data_pipeline.progress import progress_bar, write_line
-from parallel import groups
-from parallel.layout import Layout, setup_layout
-from parallel.microbatch_fit import resolve_microbatches
+from parallel.primitives import groups
+from parallel.primitives.layout import Layout, setup_layout
+from parallel.strategies.microbatch_fit import Batch, resolve_microbatches
+from pretrain import checkpoint
+from pretrain.analyze import write_checkpoint_heatmap
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
+from pretrain.data_checks import check_data, trained_seq_len
+from pretrain.engine import build_engine
 from pretrain.evaluate import autocast_for, evaluate
 from pretrain.exit_codes import EXIT_NONFINITE, EXIT_PREEMPTED, EXIT_SAVE_FAILED
-from pretrain.run_checkpoint import Checkpointer, SaveFailed
-from pretrain.run_dir import agreed_on_rank0
+from pretrain.init_from import init_from
+from pretrain.mfu import TrainingPeak
+from pretrain.optim import lr_at
+from pretrain.run_checkpoint import Checkpointer, SaveFailed, load_run
+from pretrain.run_dir import agreed_on_rank0, fingerprint, fingerprint_mismatch, prepare_run_dir
 from pretrain.signals import StopRequest
+from pretrain.step_rows import PendingRows, ProgressClock
+from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
 
 
 class NonFiniteLoss(RuntimeError):
@@ -59,17 +69,27 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def run_device(setting: str) -> torch.device:
+    """The device of `train.device` (auto, cpu or cuda); ConfigError when cuda is asked for
+    and there is none."""
+    device = groups.default_device()
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting == "cuda" and device.type != "cuda":
+        raise ConfigError("train.device", "cuda requested but no CUDA device is available")
+    return device
+
+
 class Trainer:
     """Owns the model, optimizer, data loader and run directory of one training run."""
 
     def __init__(self, cfg: Config):
+        # deferred: pulls in sentencepiece, wids (slow to start, or optional)
         from data_pipeline.loader import TrainLoader
-        from pretrain.data_checks import check_data, trained_seq_len
-        from pretrain.engine import build_engine
-        from pretrain.run_dir import fingerprint, prepare_run_dir
 
         self.cfg = cfg
-        self.layout = layout = setup_layout(cfg)
+        p = cfg.parallel
+        self.layout = layout = setup_layout(p.tp, p.pp, p.timeout_s, run_device(cfg.train.device))
         self.index = check_data(cfg)
         seq_len, note = trained_seq_len(cfg, self.index)
         if note and layout.is_main:
@@ -78,8 +98,11 @@ class Trainer:
         # config, not a mutation.
         model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)
         cfg = dataclasses.replace(cfg, model=model)
-        # parallel.microbatches: auto -> a count that fits the device (parallel/microbatch_fit.py)
-        cfg, microbatch_line = resolve_microbatches(cfg, layout)
+        # parallel.microbatches: auto -> a count that fits the device
+        # (parallel/strategies/microbatch_fit.py)
+        batch = Batch(cfg.train.batch_size, cfg.train.dtype, cfg.optim.decay_alphas)
+        parallel, microbatch_line = resolve_microbatches(cfg.parallel, model, batch, layout)
+        cfg = dataclasses.replace(cfg, parallel=parallel)
         self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
         self.cfg = cfg
         self.model_cfg = cfg.model
@@ -113,8 +136,6 @@ class Trainer:
             self._load(self.resume_from)
             self.saved_step = self.step
         elif cfg.train.init_from is not None:
-            from pretrain.init_from import init_from
-
             self.origin = init_from(self.engine, cfg.train.init_from, self.model_cfg,
                                     self.fingerprint, layout.rank, layout.world)
 
@@ -122,9 +143,6 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         """Resume from checkpoint `path`: each rank reads its own slices (collective)."""
-        from pretrain.run_checkpoint import load_run
-        from pretrain.run_dir import fingerprint_mismatch
-
         def same_run(meta: dict) -> None:
             if "fingerprint" in meta:  # checkpoints from before fingerprints load unchecked
                 differ = fingerprint_mismatch(meta["fingerprint"], self.fingerprint)
@@ -154,8 +172,6 @@ class Trainer:
     # -- one optimizer step --------------------------------------------------------------
 
     def lr(self, step: int) -> float:
-        from pretrain.optim import lr_at
-
         o = self.cfg.optim
         return lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup=self.cfg.effective_warmup_steps(),
                      total=self.cfg.train.steps)
@@ -249,10 +265,6 @@ def run_training(cfg: Config, stop: StopRequest | None = None) -> int:
 
 
 def _train(trainer: Trainer, stop: StopRequest | None) -> int:
-    from pretrain.mfu import TrainingPeak
-    from pretrain.step_rows import PendingRows, ProgressClock
-    from pretrain.tracking import MetricsLog, Tracker, plot_loss_curve
-
     cfg, layout, run_dir = trainer.cfg, trainer.layout, trainer.run_dir
     main = layout.is_main
     if main:  # with the directory resolved, so `eval --run` and resume=auto can reread it
@@ -408,8 +420,6 @@ def _fmt(value: float | None) -> str:
 
 def _last_good(trainer: Trainer) -> Path | None:
     """The checkpoint a diverged run falls back to: the one pinned before the skip streak."""
-    from pretrain import checkpoint
-
     return trainer.protected_checkpoint or checkpoint.latest_checkpoint(trainer.ckpt_dir)
 
 
@@ -424,8 +434,6 @@ def _committed(trainer: Trainer, path: Path, tracker) -> None:
 def _plot_dwa(trainer: Trainer, path: Path, tracker) -> None:
     """Rank 0: the DWA heatmap of checkpoint `path` into run_dir/dwa/ and MLflow's dwa/
     (pretrain/analyze.py). A failure to draw is a warning: the checkpoint is what matters."""
-    from pretrain.analyze import write_checkpoint_heatmap
-
     try:
         png = write_checkpoint_heatmap(path, trainer.model_cfg.dwa_pattern,
                                        trainer.run_dir / "dwa")
@@ -446,8 +454,6 @@ def _checkpoint_of_this_step(trainer: Trainer) -> Path:
 def _validate(trainer: Trainer, metrics, tracker) -> None:
     """Validation loss of the current step; a failure exits 2 naming the data, after this
     step's checkpoint is written (DataError)."""
-    from data_pipeline import DataError
-
     cfg, layout = trainer.cfg, trainer.layout
     try:
         result = evaluate(trainer.engine.eval_model, cfg.data.path, trainer.local_batch,

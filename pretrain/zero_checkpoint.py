@@ -1,11 +1,12 @@
 """ZeRO state in and out of sharded checkpoints: each rank its own partition, no gather.
 
 Under ZeRO a data-parallel rank holds, of each (tensor-parallel shard of a) parameter, one
-flat range of the fp32 master weights and of AdamW's moments (parallel/deepspeed_compat.py
-says which). Saving hands DCP those ranges as FlatShards (pretrain/flat_shards.py: at most
-three row-blocks of a matrix, with global offsets) under the same global keys as every other
-engine (`model.<name>`, `optim.<name>.<key>`, pretrain/sharded_checkpoint.py): the ranges of
-the DP ranks tile each tensor, DCP checks that they do, and a checkpoint written at one ZeRO
+flat range of the fp32 master weights and of AdamW's moments
+(parallel/primitives/deepspeed_compat.py says which). Saving hands DCP those ranges as
+FlatShards (pretrain/flat_shards.py: at most three row-blocks of a matrix, with global
+offsets) under the same global keys as every other engine (`model.<name>`,
+`optim.<name>.<key>`, pretrain/sharded_checkpoint.py): the ranges of the DP ranks tile each
+tensor, DCP checks that they do, and a checkpoint written at one ZeRO
 stage and DP size reads back at any other, or without ZeRO, and a ZeRO-1 one at any TP x PP.
 
 What each rank writes: its ranges of the parameters it owns, where a parameter held by
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.deepspeed_compat import (
+from parallel.primitives.deepspeed_compat import (
     ADAM_MOMENTS,
     OwnedRange,
     create_optimizer_state,
@@ -39,6 +40,7 @@ from parallel.deepspeed_compat import (
 )
 from pretrain.checkpoint import CheckpointError
 from pretrain.flat_shards import FlatShard
+from pretrain.model.init import local_shard
 from pretrain.sharded_checkpoint import (
     empty_like_global,
     load_tensors,
@@ -163,8 +165,6 @@ def _check_size(checkpoint: Path, key: str, entries: dict, expected) -> None:
 def _loaded_weights(name, param, target, fill, stage3: bool, tp_rank: int, tp_size: int):
     """(values read for `param`, whether they are its whole TP shard): the whole shard
     (ZeRO-1/2, or a filled parameter), the flat range this rank owns (ZeRO-3), or None."""
-    from pretrain.model.init import local_shard
-
     if name in fill:
         return local_shard(fill[name], param, tp_rank, tp_size), True
     value = target.get(model_key(name))

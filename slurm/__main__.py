@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pretrain.config import override_argument
+from slurm import fit, launch, report
+from slurm.fit import cmd_fit
+from slurm.report import cmd_report
+from slurm.sweep import cmd_sweep
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from pretrain.config import override_argument
-
     parser = argparse.ArgumentParser(prog="python -m slurm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -33,8 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--tracking-uri", help="MLflow store (default: the file's "
                        "tracking_uri, or sqlite:///<out>/mlflow.db)")
 
-    from slurm import fit, launch, report
-
     fit.add_arguments(sub.add_parser(
         "fit", help="fit scaling laws to a sweep's MLflow runs; print, plot, log"))
 
@@ -49,21 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
-        from slurm.sweep import cmd_sweep
-
         return cmd_sweep(args)
     if args.command == "fit":
-        from slurm.fit import cmd_fit
-
         return cmd_fit(args)
     if args.command == "report":
-        from slurm.report import cmd_report
-
         return cmd_report(args)
     if args.command == "launch":
-        from slurm.launch import launch
-
-        return launch(args)
+        return launch.launch(args)
     raise AssertionError(args.command)
 
 

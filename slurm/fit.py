@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.tracking import bounded_http_requests, mlflow_client
+from slurm.plot_ticks import label_ticks
 from slurm.scaling import (
     ComputeFit,
     Multiplier,
@@ -201,10 +204,9 @@ def compute_figure(fits: dict[str, ArchitectureFit], only: str | None = None,
                    baseline: str | None = None):
     """Loss against compute (log-log): the runs, and each fitted law over the range of its
     own runs only (no extrapolation); labelled ticks on both axes."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from slurm.plot_ticks import label_ticks
 
     fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -244,11 +246,8 @@ def plot_compute(fits: dict[str, ArchitectureFit], out_png: Path, only: str | No
 
 def cmd_fit(args) -> int:
     """`python -m slurm fit`: pull, fit, print, plot, log to MLflow."""
-    import os
-
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.exceptions import MlflowException
-
-    from pretrain.tracking import bounded_http_requests, mlflow_client
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     try:
@@ -301,6 +300,7 @@ def cmd_fit(args) -> int:
 def log_fit(client, experiment: str, out: Path, fits: dict[str, ArchitectureFit],
             mults: dict[str, list[Multiplier]]) -> str:
     """A `scaling-fit` run in the experiment with the coefficients and the plots."""
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.entities import Metric, RunTag
 
     experiment_id = client.get_experiment_by_name(experiment).experiment_id

@@ -17,11 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.lm_eval_cli import checkpoint_run
+from pretrain.tracking import bounded_http_requests, mlflow_client
+
 
 def measure(model, batch: int, prompt: int, new_tokens: int, rounds: int) -> dict[str, float]:
     """Median prefill and decode tokens/s of `rounds` greedy generations (after a warm-up)."""
+    # deferred: pulls in torch (slow to start, or optional)
     import torch
 
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.generation import generate
 
     generator = torch.Generator().manual_seed(0)
@@ -47,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.entities import Metric
 
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from pretrain import load_model
-    from pretrain.lm_eval_cli import checkpoint_run
-    from pretrain.tracking import bounded_http_requests, mlflow_client
 
     where = checkpoint_run(Path(args.run))
     if isinstance(where, str):

@@ -35,7 +35,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretrain.config import ConfigError, load_config, override_argument
 from pretrain.exit_codes import EXIT_PREEMPTED, EXIT_USAGE  # torch-free
+from pretrain.tracking import RUN_TAGS_ENV
+from slurm.sweep import after_training, sweep_task, tag_finished_task
+from slurm.sweep_spec import SweepError
 from slurm.worker import LAUNCH_DIR_ENV, STOP_SIGNALS
 
 DEFAULT_RDZV_PORT = 29400
@@ -171,8 +175,6 @@ def srun_rank_env(rdzv: Rendezvous, env: dict) -> dict[str, str]:
 def training_overrides(config: str, overrides: list[str], env: dict) -> list[str]:
     """The overrides plus what a (re)queued job needs: a run.dir that is the same on every
     node and every restart, and train.resume=auto. Raises ConfigError for a bad config."""
-    from pretrain.config import load_config
-
     # resume=auto needs a run.dir, which is decided here: read the rest first, then check all.
     cfg = load_config(config, [*overrides, "train.resume=null"])
     resume = load_config(config, overrides, check=False).train.resume
@@ -275,15 +277,10 @@ def run_ranks(command: list[str], env: dict[str, str],
 
 def launch(args: argparse.Namespace) -> int:
     """Start this node's ranks for the configured training; returns the exit status."""
-    from pretrain.config import ConfigError
-    from slurm.sweep_spec import SweepError
-
     env = dict(os.environ)
     try:
         rdzv = rendezvous_from(args, env)
         if args.sweep:
-            from slurm.sweep import sweep_task
-
             task = sweep_task(Path(args.sweep), env)
             config, overrides = str(task.config_path), list(args.overrides)
         else:
@@ -308,8 +305,6 @@ def launch(args: argparse.Namespace) -> int:
     else:
         return _refuse(f"mode {mode!r}: use torchrun or srun", env)
     if task is not None:
-        from pretrain.tracking import RUN_TAGS_ENV
-
         # The MLflow run gets the sweep's tags when training creates it, so that a task
         # killed before it ends (time limit, node failure) is still seen by `slurm fit`.
         env[RUN_TAGS_ENV] = json.dumps(task.tags)
@@ -335,8 +330,6 @@ def launch(args: argparse.Namespace) -> int:
         cause = cause or f"training failed with exit status {status}"
     if task is not None and (mode == "torchrun" and rdzv.node_rank == 0
                              or mode == "srun" and env.get("RANK") == "0"):
-        from slurm.sweep import after_training, tag_finished_task
-
         if status == 0:
             task.tags.update(after_training(task, env))
         tag_finished_task(task, status, cause)
@@ -375,8 +368,6 @@ def write_cause(cause: str, env: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m slurm launch`."""
-    from pretrain.config import override_argument
-
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", help="training config (YAML)")
     what.add_argument("--sweep", help="a sweep directory: train the run of SLURM_ARRAY_TASK_ID")

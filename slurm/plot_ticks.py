@@ -32,6 +32,7 @@ def tick_labels(axis) -> list[str]:
 def _log_ticks(low: float, high: float) -> list[float]:
     """Round values inside [low, high] for a log axis: over a decade or more 1-2-5 (or 1 to
     9) times powers of ten; over less, evenly spaced round numbers."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.ticker import LogLocator, MaxNLocator
 
     if high / low < 10:
@@ -49,6 +50,7 @@ def _log_ticks(low: float, high: float) -> list[float]:
 def _fix(axis) -> None:
     """Round, plainly labelled ticks on a log axis; a linear axis keeps matplotlib's unless
     it has fewer than MIN_LABELS inside the view."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter
 
     low, high = sorted(axis.get_view_interval())
@@ -66,6 +68,7 @@ def _fix(axis) -> None:
 def label_ticks(ax) -> None:
     """Give both axes of `ax` at least MIN_LABELS labelled ticks inside the current view
     (an axis with ticks set by hand, such as category names, is left as it is)."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.ticker import FixedLocator
 
     ax.autoscale_view()

@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline import DataError
+from data_pipeline.index import read_index
+from pretrain.config import ConfigError
+from pretrain.data_checks import check_data
 from slurm.sweep_spec import Sweep
 
 
@@ -39,6 +43,7 @@ def _existing(path: Path) -> Path:
 
 def _check_run_dir(run_dir: Path) -> None:
     """The trainer's run-directory checks that can be made from here: writable, not locked."""
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.run_dir import LOCK_FILE, RunDirLock, check_writable
 
     check_writable(_existing(run_dir), "run.dir")
@@ -50,14 +55,10 @@ def _check_run_dir(run_dir: Path) -> None:
 
 def preflight(sweep: Sweep) -> list[Problem]:
     """Every start-up check of every task; the problems found (empty: all would start)."""
-    from data_pipeline import DataError
-    from data_pipeline.index import read_index
-    from pretrain.config import ConfigError
-    from pretrain.data_checks import check_data
-
     problems: list[Problem] = []
     indexes: dict[str, object] = {}  # data.path -> its checked index, or the DataError
     try:
+        # deferred: pulls in torch (slow to start, or optional)
         from pretrain.run_dir import check_writable
 
         check_writable(_existing(sweep.out / "logs"), "out")

@@ -23,11 +23,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from pretrain.tracking import bounded_http_requests, mlflow_client
 from slurm.fit import (
     MIN_BUDGETS,
     MIN_SPAN,
     UNFINISHED,
     Point,
+    compute_figure,
     fit_architectures,
     format_report,
     multipliers,
@@ -180,7 +182,6 @@ def scaling_section(tunings: list[Tuning], baseline: str) -> tuple[str, dict]:
     if not any(f.compute_law for f in fits.values()):
         return section(title, paragraph("No scaling law, no compute multiplier."),
                        *[paragraph(f"{a}: {why}.") for a, why in no_fit.items()]), summary
-    from slurm.fit import compute_figure
 
     return section(
         title,
@@ -292,9 +293,8 @@ def _finite(value):
 
 def cmd_report(args) -> int:
     """`python -m slurm report`: read the experiment, write report.html and report.json."""
+    # deferred: pulls in MLflow (slow to start, or optional)
     from mlflow.exceptions import MlflowException
-
-    from pretrain.tracking import bounded_http_requests, mlflow_client
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     try:

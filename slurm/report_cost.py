@@ -4,8 +4,9 @@ Measured (each run's own metrics, medians over its steps after the first two): t
 second, the step time it implies (batch x seq_len / tokens per second) and MFU; and when the
 sweep had `inference:`, generation speed (prefill and decode tokens per second,
 slurm/inference_speed.py). Estimated
-from the run's resolved config (`parallel.memory`, `parallel.inference_memory`, the same
-estimators as `python -m parallel.memory`): training memory of the fullest rank without and
+from the run's resolved config (`parallel.strategies.memory`,
+`parallel.strategies.inference_memory`, the same estimators as
+`python -m parallel.memory`): training memory of the fullest rank without and
 with block activation checkpointing, and for generation at batch 1 and the full context the
 KV cache and the DWA state a decode step keeps.
 """
@@ -17,6 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_pipeline.index import read_index
+from parallel.strategies.inference_memory import estimate_inference
+from parallel.strategies.memory import estimate, local_parameters
+from pretrain.config import load_config
 from slurm.report_data import StudyRun
 from slurm.report_html import column, paragraph, section, sizes, table
 from slurm.report_mfu import StudyPeak, study_mfu
@@ -36,16 +41,12 @@ class Cost:
 
 
 def _config(run: StudyRun):
-    from pretrain.config import load_config
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(run.config_text)
         cfg = load_config(path)
     vocab = cfg.model.vocab_size
     if vocab is None and cfg.data.path and (Path(cfg.data.path) / "index.json").is_file():
-        from data_pipeline.index import read_index
-
         vocab = read_index(cfg.data.path, check_files=False).vocab_size
     return cfg, (cfg.model.with_vocab(vocab) if vocab else None)
 
@@ -72,15 +73,14 @@ def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
     if model is None:
         cost.note = "vocabulary unknown (data not on this machine): no memory estimate"
         return cost
-    from parallel.inference_memory import estimate_inference
-    from parallel.memory import estimate, local_parameters
 
     device = "cuda" if cfg.train.device == "cuda" else "cpu"
     for mode in ("none", "block"):
         variant = dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, activation_checkpointing=mode))
-        cost.train_bytes[mode] = max(r.total_bytes for r in estimate(variant, None, device,
-                                                                     model))
+        cost.train_bytes[mode] = max(r.total_bytes for r in estimate(
+            variant.parallel, model, cfg.train.batch_size, cfg.train.dtype, None, device,
+            cfg.optim.decay_alphas))
     parameters = local_parameters(model, 1, range(1, model.n_layers + 1), True, True,
                                   decay_alphas=False)
     (rank,) = estimate_inference(model, parameters, 1, 1, model.seq_len,
@@ -115,7 +115,8 @@ def cost_section(runs: list[StudyRun], peak: StudyPeak) -> tuple[str, dict]:
     html = section(
         "Cost",
         paragraph("Measured: medians over each run's steps (the first two left out). "
-                  "Estimated (parallel.memory, parallel.inference_memory) from the run's "
+                  "Estimated (parallel.strategies.memory, parallel.strategies.inference_memory) "
+                  "from the run's "
                   "config at one data-parallel rank: training memory of the fullest rank "
                   "without and with block activation checkpointing; for generation at batch "
                   "1 and the full context, the KV cache and the DWA state of a decode step. "

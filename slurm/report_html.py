@@ -93,6 +93,7 @@ def png_tag(data: bytes, alt: str, caption: str | None = None) -> str:
 
 def figure(width: float = 7, height: float = 4):
     """A matplotlib Figure on an Agg canvas (no display) and its axes."""
+    # deferred: pulls in matplotlib (slow to start, or optional)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -44,6 +44,7 @@ def parse_peak(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
+        # deferred: pulls in torch (slow to start, or optional)
         from pretrain.mfu import spec_peak
 
         value = spec_peak(text) or 0.0

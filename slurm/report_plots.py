@@ -6,6 +6,7 @@ ticks on every axis (slurm/plot_ticks.py)."""
 from __future__ import annotations
 
 import math
+import statistics
 
 from slurm.plot_ticks import label_ticks
 from slurm.report_html import figure
@@ -14,8 +15,7 @@ from slurm.report_stats import Tuning, label
 
 def seed_interval(losses: list[float]) -> tuple[float, float] | None:
     """The 95% Student-t interval of the mean of `losses` over seeds; None with one seed."""
-    import statistics
-
+    # deferred: pulls in scipy (slow to start, or optional)
     from scipy import stats
 
     if len(losses) < 2:

@@ -136,6 +136,7 @@ class Paired:
 def paired_differences(tunings: list[Tuning], baseline: str) -> list[Paired]:
     """For each best configuration of another architecture, its paired differences against
     the baseline's best configuration in the same context."""
+    # deferred: pulls in scipy (slow to start, or optional)
     from scipy import stats
 
     def context(config):

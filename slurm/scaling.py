@@ -58,6 +58,7 @@ class ComputeFit:
 
 def fit_compute_law(compute, loss) -> ComputeFit:
     """Fit L = A * C^(-alpha) to points (C, L); needs 2+ distinct compute values."""
+    # deferred: pulls in scipy (slow to start, or optional)
     from scipy import stats
 
     x, y = np.log(np.asarray(compute, float)), np.log(np.asarray(loss, float))
@@ -109,6 +110,7 @@ def can_fit_params_tokens(n_params, tokens) -> bool:
 def _starting_point(n, d, y) -> list[float]:
     """For fixed exponents the law is linear in (E, A, B): scan a grid of (a, b), solve each
     for non-negative (E, A, B) weighted by 1/L (relative errors), keep the best."""
+    # deferred: pulls in scipy (slow to start, or optional)
     from scipy.optimize import nnls
 
     best = (np.inf, None)
@@ -124,6 +126,7 @@ def _starting_point(n, d, y) -> list[float]:
 
 def fit_params_tokens(n_params, tokens, loss, huber_delta: float = 1e-3) -> ParamsTokensFit:
     """Fit L(N, D) = E + A/N^a + B/D^b (Hoffmann et al.'s approach 3)."""
+    # deferred: pulls in scipy (slow to start, or optional)
     from scipy.optimize import least_squares
     from scipy.special import logsumexp
 

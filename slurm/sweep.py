@@ -34,7 +34,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm.sweep_spec import Sweep, SweepError, check_name
+from pretrain.checkpoint import latest_checkpoint
+from pretrain.config import save_config
+from pretrain.tracking import ensure_experiment, mlflow_client
+from slurm.preflight import format_problems, preflight
+from slurm.sweep_spec import Sweep, SweepError, check_name, expand
+from slurm.sweep_stages import follow_up_commands
 
 MANIFEST = "sweep.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +66,8 @@ def format_table(sweep: Sweep) -> str:
                          f"(train.init_from={sweep.runs[run.depends_on].config.run.dir})")
     lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
                  "C = 6 N D FLOPs; mem/rank: an estimate of the fullest rank (python -m "
-                 "parallel.memory: weights, gradients, AdamW, activations), n/a until the "
+                 "parallel.strategies.memory: weights, gradients, AdamW, activations), n/a until "
+                 "the "
                  "vocabulary is known")
     return "\n".join(lines)
 
@@ -115,8 +121,6 @@ def manifest_of(sweep: Sweep) -> dict:
 
 def write_sweep(sweep: Sweep) -> Path:
     """Write the manifest and the run configs; refuse a directory holding another sweep."""
-    from pretrain.config import save_config
-
     out = sweep.out
     if "%" in str(out):
         raise SweepError(f"out: {out}: '%' is not allowed (Slurm expands it in log names)")
@@ -140,8 +144,6 @@ def write_sweep(sweep: Sweep) -> Path:
 def submit(sweep: Sweep) -> list[str]:
     """Write the sweep directory, create the experiment, submit the first stage's array and
     then each dependent run; the job ids, the array's first."""
-    from pretrain.tracking import ensure_experiment, mlflow_client
-
     manifest = write_sweep(sweep)
     client = mlflow_client(sweep.tracking_uri)
     tags = {"sweep_id": sweep.name, "sweep_manifest": str(manifest)}
@@ -176,8 +178,6 @@ def _sbatch(sweep: Sweep, command: list[str]) -> str:
 
 def cmd_sweep(args) -> int:
     """`python -m slurm sweep`: print the table, then submit unless --dry-run."""
-    from slurm.sweep_spec import expand
-
     try:
         sweep = expand(args.sweep_file, args.overrides, out=args.out,
                        tracking_uri=args.tracking_uri)
@@ -192,8 +192,6 @@ def cmd_sweep(args) -> int:
                       "--dependency=afterok:<array job>_<parent> --kill-on-invalid-dep=yes")
             return 0
         if not args.no_preflight:
-            from slurm.preflight import format_problems, preflight
-
             problems = preflight(sweep)
             if problems:
                 print(format_problems(problems, len(sweep.runs)), file=sys.stderr)
@@ -255,8 +253,6 @@ def sweep_task(sweep_dir: Path, env: dict) -> SweepTask:
 
 def find_run_id(task: SweepTask, client) -> str | None:
     """The MLflow run of a task: from its latest checkpoint, else by run name."""
-    from pretrain.checkpoint import latest_checkpoint
-
     checkpoint = latest_checkpoint(task.run_dir / "checkpoints")
     if checkpoint is not None:
         meta = json.loads((checkpoint / "meta.json").read_text())
@@ -276,8 +272,10 @@ def tag_finished_task(task: SweepTask, status: int, cause: str | None = None) ->
     MLflow run (the sweep's tags were set when training created the run; they are set again
     here); a failure only warns."""
     try:
+        # deferred: pulls in MLflow (slow to start, or optional)
         from mlflow.entities import RunTag
 
+        # deferred: pulls in an optional library (slow to start, or optional)
         from pretrain.tracking import bounded_http_requests, mlflow_client
 
         with bounded_http_requests():
@@ -301,8 +299,6 @@ def after_training(task: SweepTask, env: dict) -> dict[str, str]:
     """Run what the sweep asks for on a finished run (lm-eval tasks, the inference speed;
     both log to the run's MLflow run); {status tag: exit status}. A failure is reported and
     tagged but does not fail the training task."""
-    from slurm.sweep_stages import follow_up_commands
-
     gpus = env.get("SLURM_GPUS_ON_NODE") or env.get("CUDA_VISIBLE_DEVICES", "")
     device = "cuda" if gpus and gpus not in ("0", "-1", "NoDevFiles") else "cpu"
     statuses = {}

@@ -42,6 +42,9 @@ from typing import Any
 
 import yaml
 
+from data_pipeline.index import read_index
+from parallel.strategies.memory import estimate as estimate_memory
+from pretrain.config import ConfigError, load_config, validate
 from slurm.sweep_axes import (
     RUN_NAME_PATTERN,
     Architecture,
@@ -145,8 +148,6 @@ def _yaml_sections(overrides: dict[str, Any], key: str) -> dict[str, dict[str, A
 def _resolve_config(base: Path, layers: list[tuple[str, dict]], cli_overrides: list[str],
                     run: str):
     """Base config + layered dotted overrides (YAML values) + command-line overrides."""
-    from pretrain.config import ConfigError, load_config
-
     merged: dict[str, Any] = {}
     for _key, overrides in layers:
         merged.update(overrides)
@@ -191,9 +192,6 @@ class RunContext:
                shape: dict[str, Any]) -> RunSpec:
         """The run of `target_tokens` (rounded to whole steps) with its name, run dir,
         tracking, seed and warm-up set, validated, with N, D, C and its memory estimate."""
-        from parallel.memory import estimate as estimate_memory
-        from pretrain.config import ConfigError, validate
-
         tokens_per_step = cfg.train.batch_size * model.seq_len
         steps = max(1, round(target_tokens / tokens_per_step))
         run_tokens = steps * tokens_per_step
@@ -225,7 +223,8 @@ class RunContext:
         if vocab and cfg.parallel.microbatches != "auto":
             gpu = self.slurm["gpus_per_node"] or cfg.train.device == "cuda"
             memory = max(r.total_bytes for r in estimate_memory(
-                cfg, world, "cuda" if gpu else "cpu", model))
+                cfg.parallel, model, cfg.train.batch_size, cfg.train.dtype, world,
+                "cuda" if gpu else "cpu", cfg.optim.decay_alphas))
         n_params = model.num_params(non_embedding=True)
         return RunSpec(
             index=index, name=run_name, architecture=architecture, config=cfg,
@@ -354,6 +353,5 @@ def _data_vocab(data_path: str | None) -> int | None:
     """The vocabulary size in DATA/index.json, or None if the data is not there (yet)."""
     if not data_path or not (Path(data_path) / "index.json").is_file():
         return None
-    from data_pipeline.index import read_index
 
     return read_index(data_path, check_files=False).vocab_size

@@ -40,6 +40,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from pretrain.config import config_to_dict
 from slurm.sweep_axes import number_list, parse_architecture
 from slurm.sweep_errors import SweepError
 
@@ -57,7 +58,7 @@ def _matches(values: dict[str, Any], architecture: str, wanted: dict[str, Any]) 
 def continuation_runs(spec: Any, parents: list, context) -> list:
     """The runs of a `continue:` stage (RunSpecs indexed after `parents`), each depending on
     the parent run it starts from. `context`: the sweep's RunContext."""
-    from pretrain.config import config_to_dict
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.init_from import model_mismatch
 
     if not isinstance(spec, dict) or set(spec) - CONTINUE_KEYS or "grid" not in spec:

@@ -19,6 +19,7 @@ from slurm.worker import LAUNCH_DIR_ENV
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv`; 0, or 1 after one line per failed rank."""
+    # deferred: pulls in torch (slow to start, or optional)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -26,6 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
+from pretrain.cli import main as pretrain_main
 from pretrain.exit_codes import EXIT_PREEMPTED  # torch-free
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -107,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     if launch_dir:
         _write(Path(launch_dir) / f"rank-{rank}.pid", f"{os.getpid()}\n")
     errors = sys.stderr = ErrorLines(sys.stderr)
-    from pretrain.cli import main as pretrain_main
 
     try:
         status = pretrain_main(sys.argv[1:] if argv is None else argv)

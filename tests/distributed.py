@@ -5,8 +5,8 @@
 spawns `world_size` fresh processes (the spawn start method: fork is known to deadlock with
 torch threads), each with a process group on a free local port (gloo, or NCCL when there is
 one GPU per rank), megatron-core's parallel state for (tp, pp) via
-`parallel.groups.ensure_initialized` (unless `set_up_groups=False`: then `fn` sets them up
-from the environment, as the trainer does), and one torch thread; calls `fn(**kwargs)` in each
+`parallel.primitives.groups.ensure_initialized` (unless `set_up_groups=False`: then `fn` sets them
+up from the environment, as the trainer does), and one torch thread; calls `fn(**kwargs)` in each
 (`fn` must be importable: a module-level function) and returns the list of their return
 values by rank. A failing rank fails the test with its rank and traceback (the other ranks
 are stopped); a run past `timeout_s` kills every rank and raises TimeoutError.
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from parallel.groups import free_port
+from parallel.primitives.groups import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, set_up_groups: bool,
@@ -35,7 +35,7 @@ def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, set_up_grou
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    from parallel import groups
+    from parallel.primitives import groups
 
     try:
         if set_up_groups:

@@ -26,7 +26,7 @@ def trained_run(tiny_data, tmp_path_factory):
 
 
 def model_matrix(path) -> torch.Tensor:
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.load import load_model
 
     model, _ = load_model(path, device="cpu")

@@ -1,5 +1,5 @@
-"""Activation checkpointing (parallel/checkpointing.py): same loss and gradients as `none`,
-and what each mode keeps.
+"""Activation checkpointing (parallel/strategies/checkpointing.py): same loss and gradients as
+`none`, and what each mode keeps.
 
 Single process, fp32, dropout on (the recomputation must replay the same masks). Tolerance:
 loss 1e-6 absolute, every gradient 1e-6 relative per tensor, against `none` with the same DWA
@@ -41,7 +41,7 @@ def functional_loss(model, tokens, targets, functional: bool):
 
 
 def loss_and_grads(model, mode: str, every: int, functional: bool):
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
 
     apply_activation_checkpointing(model, mode, every)
     model.zero_grad(set_to_none=True)
@@ -67,7 +67,7 @@ def test_every_mode_gives_the_loss_and_gradients_of_none(case):
 
 
 def test_units_cover_the_blocks_in_order():
-    from parallel.checkpointing import ActivationCheckpointing
+    from parallel.strategies.checkpointing import ActivationCheckpointing
 
     assert ActivationCheckpointing("block", 1).units(3) == [(1, 1), (2, 2), (3, 3)]
     assert ActivationCheckpointing("dwa_block", 2).units(5) == [(1, 2), (3, 4), (5, 5)]
@@ -84,9 +84,9 @@ def test_dwa_block_stores_each_read_output_once(case):
     """dwa_block keeps exactly: the X_j later DWAs read (the buffers, one slot each), the
     inputs of units that no DWA reads, and the LM head's tensors; block internals, DWA
     outputs Y_i and second copies of X_j are all recomputed. Checked against autograd."""
-    from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory import ActivationShape, Precision
-    from parallel.memory_probe import measure_activations
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.memory import ActivationShape, Precision
+    from parallel.strategies.memory_probe import measure_activations
 
     model = make_model(case)
     cfg = model.config

@@ -1,4 +1,4 @@
-"""`train.compile` (parallel/compile.py): compiled training equals eager training.
+"""`train.compile` (parallel/strategies/compile.py): compiled training equals eager training.
 
 The trainer's engine runs 3 AdamW steps eager and compiled (`blocks`, `model`) on the same
 data. The backend is aot_eager (dynamo's trace and AOT autograd's joint graph, run without

@@ -1,12 +1,12 @@
-"""train.compile: auto (parallel/compile_choice.py): the mode each layout and device gets,
-the default, and how the config command prints it."""
+"""train.compile: auto (parallel/strategies/compile_choice.py): the mode each layout and device
+gets, the default, and how the config command prints it."""
 
 import subprocess
 import sys
 
 import pytest
 
-from parallel.compile_choice import compile_mode
+from parallel.strategies.compile_choice import compile_mode
 from pretrain.config import load_config
 from tests.conftest import ROOT, cli_env
 
@@ -14,7 +14,7 @@ from tests.conftest import ROOT, cli_env
 def mode(device: str, *overrides: str, world_size: int = 1) -> str:
     cfg = load_config(None, ["model.vocab_size=128", "model.n_layers=4", *overrides],
                       world_size=world_size)
-    return compile_mode(cfg, device)[0]
+    return compile_mode(cfg.train.compile, cfg.parallel, cfg.model, device)[0]
 
 
 @pytest.mark.parametrize("overrides, world, cuda", [

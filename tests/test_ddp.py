@@ -1,4 +1,4 @@
-"""Data parallelism through torch DDP (parallel/ddp.py) equals the flat all-reduce.
+"""Data parallelism through torch DDP (parallel/strategies/ddp.py) equals the flat all-reduce.
 
 Each case runs the trainer's engine (`build_engine`) for 3 AdamW steps twice in one spawn,
 `parallel.dp_reduction: ddp` and `flat`, on the same data, and compares per step the summed
@@ -31,14 +31,14 @@ def engine_run(world_size: int, reduction: str, *overrides: str,
                dtype: torch.dtype = torch.float32) -> dict:
     """3 steps of the trainer's engine on this rank's DP slice of fixed random batches (under
     autocast to `dtype`, as the trainer runs them)."""
-    from parallel.layout import setup_layout
+    from parallel.primitives.layout import setup_layout
     from pretrain.config import load_config
     from pretrain.engine import build_engine, dp_reduction
     from pretrain.evaluate import autocast_for
 
     cfg = load_config(None, [*BASE, f"parallel.dp_reduction={reduction}", *overrides],
                       world_size=world_size)
-    layout = setup_layout(cfg)
+    layout = setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
     engine = build_engine(cfg.model, cfg, layout, dtype)
     data = torch.randint(0, 128, (STEPS, 8, 17), generator=torch.Generator().manual_seed(3))
     out = {"reduction": dp_reduction(cfg, layout), "losses": [], "norms": [],
@@ -115,7 +115,7 @@ def test_ddp_equals_flat_reduction_at_tp2_dp2_with_sp_and_checkpointing():
 
 
 def test_interleaved_stages_fall_back_to_flat():
-    from parallel.layout import Layout
+    from parallel.primitives.layout import Layout
     from pretrain.config import load_config
     from pretrain.engine import dp_reduction
 

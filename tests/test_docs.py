@@ -201,7 +201,7 @@ def test_readme_links_into_every_docs_file():
 
 @pytest.mark.parametrize("heading, anchor", [
     ("What crosses a stage boundary", "what-crosses-a-stage-boundary"),
-    ("ZeRO (DeepSpeed, `parallel/zero.py`)", "zero-deepspeed-parallelzeropy"),
+    ("ZeRO (DeepSpeed, `parallel/strategies/zero.py`)", "zero-deepspeed-parallelstrategieszeropy"),
     ("Slurm: launchers, preemption, sweeps", "slurm-launchers-preemption-sweeps"),
     ("`DIR/index.json`", "dirindexjson"),
     ("Step time (CPU, tiny shape)", "step-time-cpu-tiny-shape"),

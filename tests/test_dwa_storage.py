@@ -10,7 +10,7 @@ checkpointed and both contraction paths (cached generation: tests/test_generate.
 import pytest
 import torch
 
-from parallel.checkpointing import apply_activation_checkpointing
+from parallel.strategies.checkpointing import apply_activation_checkpointing
 from pretrain.model import DenseFormer, DenseFormerConfig, ModelConfigError
 from pretrain.model.dwa_products import forced_contraction
 from tests.test_model import random_alpha, tiny

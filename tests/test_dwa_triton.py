@@ -174,7 +174,7 @@ def test_the_impl_is_chosen_in_one_place(monkeypatch):
 
 
 def model_grads(impl: str, dwa_dtype: str, checkpointing: str, d=6, k=2, p=1):
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
     from pretrain.model import DenseFormer
     from tests.test_model import random_alpha, tiny
 

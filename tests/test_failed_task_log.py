@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from parallel.groups import free_port
+from parallel.primitives.groups import free_port
 from slurm.__main__ import main
 from tests.conftest import ROOT, cli_env
 

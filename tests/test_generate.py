@@ -198,7 +198,7 @@ def test_load_model_from_run_checkpoint_and_export(trained_run, tmp_path):
     from data_pipeline.tokenizer import find_tokenizer_file
     from pretrain import load_model
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint_tools import run_tool
+    from pretrain.checkpoint_cli import run_tool
 
     step = latest_checkpoint(trained_run / "checkpoints")
     exported = tmp_path / "exported"
@@ -312,7 +312,7 @@ def test_cli_bad_input_exits_2_naming_it(trained_run, tmp_path, capsys):
     empty.write_text('{"prompt": ""}\n')
     exported = tmp_path / "exported"
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint_tools import run_tool
+    from pretrain.checkpoint_cli import run_tool
 
     run_tool("export", latest_checkpoint(trained_run / "checkpoints"), False, exported)
     misshapen = tmp_path / "misshapen"

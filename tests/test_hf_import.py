@@ -57,7 +57,7 @@ def hf_logits(directory, tokens=TOKENS) -> torch.Tensor:
 
 
 def our_logits(run_dir, tokens=TOKENS) -> torch.Tensor:
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain import load_model
 
     try:
@@ -92,7 +92,7 @@ def tp2_logits(run_dir) -> torch.Tensor:
 def pp2_loss(run_dir) -> float:
     """The imported model's loss on TOKENS through two pipeline stages (untied head on the
     last)."""
-    from parallel.pipeline import PipelineRunner
+    from parallel.strategies.pipeline import PipelineRunner
     from pretrain.load import read_trained
 
     cfg, state, _, _ = read_trained(run_dir)
@@ -161,7 +161,7 @@ def test_continued_pretraining_of_an_imported_llama(llama_dir, tmp_path):
     import yaml
 
     from data_pipeline.loader import TrainLoader
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain import load_model
     from pretrain.config import load_config
     from tests.data_fixtures import make_documents, prepare_tiny, write_jsonl

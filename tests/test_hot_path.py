@@ -53,7 +53,7 @@ def test_one_rank_cross_entropy_and_embedding_equal_megatrons():
     entropy calls all_reduce three times on the one-rank group, ours never."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.model import DenseFormer, DenseFormerConfig
     from pretrain.model.loss import linear_cross_entropy
 
@@ -141,8 +141,8 @@ def test_a_one_process_trainer_step_makes_no_collective_call_and_no_host_sync(ti
 
 
 def _model_and_update(fused: bool):
-    from parallel import groups
-    from parallel.layout import Layout
+    from parallel.primitives import groups
+    from parallel.primitives.layout import Layout
     from pretrain.config import Config
     from pretrain.engine import AdamWUpdate
     from pretrain.model import DenseFormer, DenseFormerConfig

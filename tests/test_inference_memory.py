@@ -1,4 +1,4 @@
-"""The inference memory estimate (parallel/inference_memory.py) against measured bytes.
+"""The inference memory estimate (parallel/strategies/inference_memory.py) against measured bytes.
 
 A tiny model runs a prefill and a decoding step through `DenseFormer.forward_cached` with a
 `KVCache`, as pretrain/generation.py drives it; measured are the parameters' bytes,
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from parallel.inference_memory import estimate_inference, prefill_peak_tensors
+from parallel.strategies.inference_memory import estimate_inference, prefill_peak_tensors
 from tests.conftest import ROOT, cli_env
 
 SHAPES = {
@@ -36,7 +36,7 @@ def model_config(shape: str, **overrides):
 
 
 def estimated(config, tp: int, batch: int, context: int, prompt: int, dtype: str) -> dict:
-    from parallel.memory import local_parameters
+    from parallel.strategies.memory import local_parameters
 
     parameters = local_parameters(config, tp, range(1, config.n_layers + 1), True, True,
                                   decay_alphas=False)
@@ -183,7 +183,7 @@ def test_out_of_range_requests_name_the_option():
 
 
 def memory_cli(capsys, *args: str) -> tuple[int, str, str]:
-    from parallel.memory import main
+    from parallel.cli.memory import main
 
     status = main(list(args))
     out, err = capsys.readouterr()
@@ -244,8 +244,8 @@ def test_cli_run_dir_reads_its_config_and_tokenizer(tiny_data, tmp_path):
     run_dir.mkdir()
     save_config(load_config(ROOT / "configs/tiny.yaml", ["data.path=null"]),
                 run_dir / "config.yaml")
-    args = ["-m", "parallel.memory", "--run", str(run_dir), "--inference", "--context", "64",
-            "--device", "cpu", "--json"]
+    args = ["-m", "parallel.memory", "--run", str(run_dir), "--inference",
+            "--context", "64", "--device", "cpu", "--json"]
     missing = subprocess.run([sys.executable, *args], capture_output=True, text=True,
                              timeout=60, env=cli_env(), cwd=ROOT)
     assert missing.returncode == 2 and "tokenizer" in missing.stderr and missing.stdout == ""

@@ -71,7 +71,7 @@ def test_without_gradients_only_the_value():
 def tp_loss(sequence_parallel: bool) -> dict:
     """(each rank) the loss and gradients from this rank's vocabulary rows (and, under
     sequence parallelism, its half of the sequence), chunked over 3 tokens."""
-    from parallel import groups
+    from parallel.primitives import groups
 
     group = groups.tp_group()
     rank = group.rank()

@@ -1,10 +1,11 @@
-"""Each megatron-core workaround in parallel/megatron_compat.py still matches the library."""
+"""Each megatron-core workaround in parallel/primitives/megatron_compat.py still matches the
+library."""
 
 import warnings
 
 import torch
 
-from parallel import groups
+from parallel.primitives import groups
 
 
 def test_default_tp_group_lookup_still_warns_in_megatron():
@@ -47,7 +48,7 @@ def test_sequence_parallel_buffers_still_ask_for_the_cuda_device():
 
     import pytest
 
-    from parallel.megatron_compat import CUDA_DEVICE_MODULES, _TorchOnCpu
+    from parallel.primitives.megatron_compat import CUDA_DEVICE_MODULES, _TorchOnCpu
 
     if torch.cuda.is_available():
         pytest.skip("the patch applies only without CUDA")
@@ -97,7 +98,7 @@ def test_megatron_groups_take_a_timeout_in_fractional_minutes():
 
     from megatron.core import parallel_state
 
-    from parallel.megatron_compat import timeout_minutes
+    from parallel.primitives.megatron_compat import timeout_minutes
     from tests.distributed import run_distributed_test
 
     assert "distributed_timeout_minutes" in inspect.signature(

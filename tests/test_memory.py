@@ -1,6 +1,6 @@
-"""The memory estimator (parallel/memory.py) against measurement on CPU, fp32.
+"""The memory estimator (parallel/strategies/memory.py) against measurement on CPU, fp32.
 
-- activations: the saved-tensors probe (parallel/memory_probe.py) for several (d, k, p),
+- activations: the saved-tensors probe (parallel/strategies/memory_probe.py) for several (d, k, p),
   every checkpointing mode, TP=1 and TP=2 with and without sequence parallelism: within 5%
   in the checkpointing modes and 15% with `none` (the issue's bounds; in practice the two
   agree to a few hundred bytes: the few alpha weights each DWA saves are not modelled);
@@ -53,9 +53,10 @@ def config(*overrides: str, world_size: int = 1):
 
 
 def estimated(cfg, world_size: int = 1, rank: int = 0):
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
 
-    return estimate(cfg, world_size, device="cpu")[rank]
+    return estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, world_size,
+                    "cpu", cfg.optim.decay_alphas)[rank]
 
 
 def measured_activations(cfg) -> int:
@@ -65,8 +66,8 @@ def measured_activations(cfg) -> int:
 
 def measured_report(cfg):
     """The probe's ActivationReport of one micro-batch (the model built from `cfg`)."""
-    from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory_probe import measure_activations
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.memory_probe import measure_activations
     from pretrain.model import DenseFormer
 
     p = cfg.parallel
@@ -134,14 +135,15 @@ def test_loss_working_set_is_one_chunk_of_logits_not_the_whole():
 def test_checkpointing_modes_order_as_designed():
     """At the paper shape: dwa_block keeps the least, none the most; for a DenseFormer,
     block keeps every Y_i next to the X_j, dwa_block does not."""
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
     from pretrain.config import load_config
 
     act = {}
     for mode in ("none", "block", "dwa_block"):
         cfg = load_config(ROOT / "configs/paper/dense-48-1x1.yaml",
                           ["parallel.microbatches=50", f"parallel.activation_checkpointing={mode}"])
-        act[mode] = estimate(cfg, 1, device="cpu")[0].activations
+        act[mode] = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 1,
+                             "cpu")[0].activations
     total = {m: sum(v for v in a.values()) for m, a in act.items()}
     assert total["dwa_block"] < total["block"] < total["none"]
     assert act["dwa_block"]["checkpoint_boundaries"] == 0  # 1x1: every input is recomputed
@@ -170,9 +172,9 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
     zero = None
     handed_to_adamw: dict[int, int] = {}
     if stage:
-        from parallel.zero import ZeroEngine
+        from tests.test_zero import zero_engine
 
-        zero = ZeroEngine(model, optimizer, cfg)
+        zero = zero_engine(model, optimizer, cfg)
 
         def record(opt, args, kwargs):
             for group in opt.param_groups:
@@ -200,7 +202,7 @@ def real_state_bytes(stage: int, tp: int = 1, world_size: int = 1,
         grads = sum(handed_to_adamw.values())
     inner = optimizer.state.values()
     moments = sum(nbytes(v) for state in inner for v in state.values() if v.ndim > 0)
-    from parallel.deepspeed_compat import flat_partitions
+    from parallel.primitives.deepspeed_compat import flat_partitions
 
     masters = sum(nbytes(f) for f in flat_partitions(zero.engine.optimizer)) \
         if zero is not None else 0
@@ -266,8 +268,8 @@ def test_tp2_dp2_state_and_activations_per_rank():
 
 
 def run_memory(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "parallel.memory", *args], capture_output=True,
-                          text=True, timeout=timeout, env=cli_env(), cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "parallel.memory", *args],
+                          capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=ROOT)
 
 
 @pytest.mark.timeout(120)
@@ -307,12 +309,13 @@ def test_cli_pipeline_stages_and_bad_config():
     assert [r["pp_rank"] for r in ranks] == [0, 1, 2, 3]
     # The tied embedding lives on the first and the last stage only.
     assert ranks[0]["params_bytes"] > ranks[1]["params_bytes"]
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
     from pretrain.config import load_config
 
     cfg = load_config(ROOT / "configs/paper/dense-48-4x5.yaml",
                       ["parallel.pp=4", "parallel.microbatches=100"], world_size=4)
-    in_flight = [r.activations["in_flight_microbatches"] for r in estimate(cfg, 4)]
+    ranks = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 4)
+    in_flight = [r.activations["in_flight_microbatches"] for r in ranks]
     assert in_flight == [4, 3, 2, 1]  # 1F1B: stage s holds min(PP - s, M) micro-batches
     bad = run_memory("--config", "configs/paper/dense-48-1x1.yaml", "--set", "parallel.tp=2",
                      "--set", "parallel.zero_stage=2")
@@ -321,10 +324,10 @@ def test_cli_pipeline_stages_and_bad_config():
 
 @pytest.mark.timeout(120)
 def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
-    """One loader behind `python -m parallel.plan` and `python -m parallel.memory`: the same
-    --set / --world-size / --json, and a null model.vocab_size read from data.path's index
-    (or named, exit 2, when there is no index)."""
-    from parallel.memory import estimate
+    """One loader behind `python -m parallel.plan` and
+    `python -m parallel.memory`: the same --set / --world-size / --json, and a
+    null model.vocab_size read from data.path's index (or named, exit 2, when there is no index)."""
+    from parallel.strategies.memory import estimate
     from pretrain.config import load_config
 
     args = ["--config", "configs/tiny.yaml", "--world-size", "2", "--json",
@@ -332,7 +335,8 @@ def test_plan_and_memory_clis_read_the_run_config_alike(tiny_data):
     memory = run_memory(*args)
     assert memory.returncode == 0, memory.stderr
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=512"], world_size=2)
-    assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in estimate(cfg, 2)]
+    ranks = estimate(cfg.parallel, cfg.model, cfg.train.batch_size, cfg.train.dtype, 2)
+    assert json.loads(memory.stdout)["ranks"] == [r.as_json() for r in ranks]
     plan = subprocess.run([sys.executable, "-m", "parallel.plan", *args, "--set",
                            "parallel.pp=2"], capture_output=True, text=True, timeout=60,
                           env=cli_env(), cwd=ROOT)

@@ -1,5 +1,5 @@
-"""parallel.microbatches: auto (parallel/microbatch_fit.py): the fewest micro-batches whose
-estimated peak fits 85% of the free memory, counts that suit the batch and the schedule, and
+"""parallel.microbatches: auto (parallel/strategies/microbatch_fit.py): the fewest micro-batches
+whose estimated peak fits 85% of the free memory, counts that suit the batch and the schedule, and
 a config error naming the key on a CPU or when nothing fits."""
 
 import subprocess
@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
-from parallel.microbatch_fit import (
+from parallel.strategies.microbatch_fit import (
     FILL,
+    Batch,
     candidates,
     estimated_peak,
     fit_microbatches,
@@ -30,42 +31,50 @@ def config(*overrides: str, world_size: int = 1):
                        world_size=world_size)
 
 
+def batch(cfg) -> Batch:
+    return Batch(cfg.train.batch_size, cfg.train.dtype, cfg.optim.decay_alphas)
+
+
 def test_candidates_split_the_rank_batch_and_suit_the_schedule():
-    assert candidates(config("train.batch_size=12"), dp=1) == [1, 2, 3, 4, 6, 12]
-    assert candidates(config("train.batch_size=12"), dp=2) == [1, 2, 3, 6]
+    assert candidates(config().parallel, 12, dp=1) == [1, 2, 3, 4, 6, 12]
+    assert candidates(config().parallel, 12, dp=2) == [1, 2, 3, 6]
     # interleaved 1F1B: a multiple of pp or fewer than 2 x pp
     interleaved = config("model.n_layers=8", "parallel.pp=2", "parallel.virtual_stages=2",
                          "train.batch_size=10", world_size=2)
-    assert candidates(interleaved, dp=1) == [1, 2, 10]  # 5 is two rounds of 2 and one
+    assert candidates(interleaved.parallel, 10, dp=1) == [1, 2, 10]  # 5 is two rounds of 2 and one
 
 
 def test_the_fewest_micro_batches_whose_estimate_fits():
     cfg = config()
-    peaks = {m: estimated_peak(with_microbatches(cfg, m), 1) for m in candidates(cfg, 1)}
+    p, model = cfg.parallel, cfg.model
+    peaks = {m: estimated_peak(with_microbatches(p, m), model, batch(cfg), 1)
+             for m in candidates(p, cfg.train.batch_size, 1)}
     assert peaks[1] > peaks[2] > peaks[4] > peaks[8] > peaks[16]
     # free memory between the estimates of 2 and 4 micro-batches: 4
     free = int((peaks[2] + peaks[4]) / 2 / FILL)
-    assert fit_microbatches(cfg, 1, free) == (4, peaks[4])
-    assert fit_microbatches(cfg, 1, int(peaks[1] / FILL) + 1) == (1, peaks[1])
+    assert fit_microbatches(p, model, batch(cfg), 1, free) == (4, peaks[4])
+    assert fit_microbatches(p, model, batch(cfg), 1, int(peaks[1] / FILL) + 1) == (1, peaks[1])
     # with two data-parallel ranks each holds 8 sequences: fewer micro-batches fit
-    m, _ = fit_microbatches(config(world_size=2), 2, free)
+    two = config(world_size=2)
+    m, _ = fit_microbatches(two.parallel, two.model, batch(two), 2, free)
     assert m == 2
 
 
 def test_nothing_fits_is_a_config_error_naming_the_key():
     cfg = config()
-    smallest = estimated_peak(with_microbatches(cfg, 16), 1)
+    smallest = estimated_peak(with_microbatches(cfg.parallel, 16), cfg.model, batch(cfg), 1)
     with pytest.raises(ConfigError, match="parallel.microbatches") as err:
-        fit_microbatches(cfg, 1, int(smallest / FILL) - 2**20)
+        fit_microbatches(cfg.parallel, cfg.model, batch(cfg), 1, int(smallest / FILL) - 2**20)
     assert "16 micro-batches of 1 sequence" in str(err.value)
 
 
 def test_resolution_on_cpu_names_the_key_and_numbers_pass_through():
     cpu = types.SimpleNamespace(device=torch.device("cpu"), world=1, dp=1)
     with pytest.raises(ConfigError, match="parallel.microbatches.*CUDA"):
-        resolve_microbatches(config(), cpu)
+        resolve_microbatches(config().parallel, config().model, batch(config()), cpu)
     fixed = config("parallel.microbatches=4")
-    assert resolve_microbatches(fixed, cpu) == (fixed, None)
+    assert resolve_microbatches(fixed.parallel, fixed.model, batch(fixed), cpu) == (
+        fixed.parallel, None)
     with pytest.raises(ConfigError, match="parallel.microbatches"):
         config("train.device=cpu")  # refused before launch when the device is named
     with pytest.raises(ConfigError, match="parallel.microbatches"):

@@ -82,7 +82,7 @@ def model_config(d, k=1, p=1, window=None, dwa=True, **extra):
 
 
 def test_boundary_counts_match_the_bound_and_raw_count():
-    from parallel.plan import build_plan
+    from parallel.strategies.plan import build_plan
 
     rng = random.Random(0)
     checked = 0
@@ -103,7 +103,7 @@ def test_boundary_counts_match_the_bound_and_raw_count():
 
 
 def test_window_and_connect_to_last_stay_between_bound_and_raw():
-    from parallel.plan import build_plan
+    from parallel.strategies.plan import build_plan
 
     for cfg in [model_config(10, 1, 1, window=3), model_config(9, 2, 1, window=4),
                 model_config(8, 1, 8, dwa_init_offdiag=1e-4)]:
@@ -113,8 +113,8 @@ def test_window_and_connect_to_last_stay_between_bound_and_raw():
 
 
 def test_partial_sums_only_switch_on_once_per_class():
-    from parallel import stage_state
-    from parallel.plan import build_plan
+    from parallel.strategies import stage_state
+    from parallel.strategies.plan import build_plan
 
     cfg = model_config(24, 4, 1)
     plan = build_plan(cfg, 6, split=[4] * 6)
@@ -131,7 +131,7 @@ def test_partial_sums_only_switch_on_once_per_class():
 
 
 def test_balanced_split_counts_embedding_and_head():
-    from parallel.plan import balanced_split, block_cost_units, stage_split
+    from parallel.strategies.plan import balanced_split, block_cost_units, stage_split
 
     assert balanced_split(6, 2, 1.0, 0.3) == [3, 3]
     assert balanced_split(8, 2, 1.0, 3.0) == [5, 3]
@@ -231,8 +231,8 @@ def relative_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("mode", ["raw", "optimal"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpointing):
-    from parallel.plan import build_plan
-    from parallel.stage_model import StageModel, StageModule
+    from parallel.strategies.plan import build_plan
+    from parallel.strategies.stage_model import StageModel, StageModule
     from pretrain.model.state import load_full_model_state
 
     state, tokens, ref_loss, ref_grads = reference(model_name, 4, 1)
@@ -268,7 +268,7 @@ def pipeline_cases(cases: list[dict], dp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from parallel.pipeline import PipelineRunner
+    from parallel.strategies.pipeline import PipelineRunner
     from pretrain.model.state import _gather_full
 
     dp_rank, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
@@ -292,7 +292,7 @@ def pipeline_cases(cases: list[dict], dp: int) -> dict:
                 param.grad /= dp
             dist.all_reduce(loss, group=dp_group)
             loss /= dp
-        from parallel.tensor import allreduce_sequence_parallel_grads
+        from parallel.primitives.tensor import allreduce_sequence_parallel_grads
 
         allreduce_sequence_parallel_grads(model, model.tp_group)
         assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
@@ -403,7 +403,7 @@ def test_pipeline_layout_matches_single_process(layout):
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_layout_exhaustive(layout):
-    from parallel.schedule import schedule_problem
+    from parallel.strategies.schedule import schedule_problem
 
     _, tp, pp, _, virtual, _ = LAYOUTS[layout]
     counts = [m for m in range(1, 9) if schedule_problem(pp, virtual, m) is None]

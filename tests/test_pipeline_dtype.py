@@ -50,18 +50,22 @@ def test_bf16_boundaries_halve_the_traffic_within_the_stated_tolerance():
 
 
 def test_plan_and_estimator_count_the_boundary_dtype():
-    from parallel.memory import estimate
-    from parallel.plan import boundary_dtype_bytes
+    from parallel.strategies.memory import estimate
+    from parallel.strategies.plan import boundary_dtype_bytes
     from pretrain.config import load_config
 
     def cfg(*extra: str):
         return load_config(None, ["model.vocab_size=512", "model.n_layers=8",
                                   "parallel.pp=2", *extra])
 
-    assert boundary_dtype_bytes(cfg(), "cuda") == 2  # auto -> bf16 on a GPU
-    assert boundary_dtype_bytes(cfg(), "cpu") == 4
-    assert boundary_dtype_bytes(cfg("parallel.pipeline_dtype=fp32"), "cuda") == 4
+    def dtype_bytes(run, device: str) -> int:
+        return boundary_dtype_bytes(run.parallel, run.train.dtype, device)
+
+    assert dtype_bytes(cfg(), "cuda") == 2  # auto -> bf16 on a GPU
+    assert dtype_bytes(cfg(), "cpu") == 4
+    assert dtype_bytes(cfg("parallel.pipeline_dtype=fp32"), "cuda") == 4
     # The last stage receives the boundary tensors: bf16 copies beside the widened ones.
-    narrow, wide = (estimate(cfg(*extra), device="cuda")[-1].activation_bytes
-                    for extra in ((), ("parallel.pipeline_dtype=fp32",)))
+    narrow, wide = (estimate(c.parallel, c.model, c.train.batch_size, c.train.dtype,
+                             device="cuda")[-1].activation_bytes
+                    for c in (cfg(), cfg("parallel.pipeline_dtype=fp32")))
     assert narrow > wide

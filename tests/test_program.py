@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from parallel.stage_state import stage_programs
+from parallel.strategies.stage_state import stage_programs
 from pretrain.model.dwa import BufferedDWA, FunctionalDWA
 from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState
 from pretrain.model.dwa_layout import buffer_layout
@@ -205,7 +205,7 @@ def test_a_connection_inside_a_block_must_read_earlier_outputs():
 def test_checkpoint_units_are_slices_of_a_sub_layer_program(mode, every):
     """A DenseFormer whose program has a connection inside blocks: checkpointed units run
     those sub-layers too and give the loss and gradients of the plain run."""
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
     from pretrain.model import DenseFormer, DenseFormerConfig
 
     model = DenseFormer(DenseFormerConfig(n_layers=5, d_model=16, n_heads=2, vocab_size=64,
@@ -251,7 +251,7 @@ def test_block_sub_layers_compose_to_the_block_bit_for_bit(skip_gains, block):
 def test_a_stage_model_of_the_whole_program_is_the_model():
     """StageModel over the one stage 1..d holds DenseFormer's parameters under the same
     names, shares its code (no method borrowed), and gives its loss."""
-    from parallel.stage_model import StageModel, StageModule
+    from parallel.strategies.stage_model import StageModel, StageModule
     from pretrain.model import DenseFormer, DenseFormerConfig
 
     cfg = DenseFormerConfig(n_layers=5, d_model=16, n_heads=2, vocab_size=64, seq_len=8,

@@ -82,7 +82,7 @@ def test_inference_rotation_at_positions_equals_the_training_one():
 def test_linear_layers_at_one_tp_rank_are_plain_matmuls():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from parallel import groups
+    from parallel.primitives import groups
     from pretrain.model.denseformer import megatron_config
     from pretrain.model.linear import column_linear, row_linear
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel.groups import free_port
+from parallel.primitives.groups import free_port
 from tests.conftest import ROOT, cli_env
 
 STEPS = 300  # long enough to signal a run mid-way; shorter tests stop at STOP_AT

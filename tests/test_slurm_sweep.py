@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from parallel.groups import free_port
+from parallel.primitives.groups import free_port
 from slurm.launch import EXIT_PREEMPTED, combine_statuses, training_overrides
 from slurm.scaling import compute_multiplier, fit_compute_law, fit_params_tokens
 from slurm.sweep import sbatch_command
@@ -180,8 +180,8 @@ def test_paper_sweep_uses_isoflop_budgets():
 
 @pytest.mark.timeout(120)
 def test_sweep_memory_is_the_validated_estimator_and_stays_torch_free():
-    """mem/rank is parallel.memory's fullest rank (the estimator tests/test_memory.py checks
-    against autograd), not a formula of its own; expanding the sweep imports no torch."""
+    """mem/rank is parallel.strategies.memory's fullest rank (the estimator tests/test_memory.py
+    checks against autograd), not a formula of its own; expanding the sweep imports no torch."""
     code = ("import json, sys; from slurm.sweep_spec import expand; "
             "s = expand('configs/sweeps/paper-owt2.yaml'); "
             "assert 'torch' not in sys.modules, 'expanding the sweep imported torch'; "
@@ -189,14 +189,16 @@ def test_sweep_memory_is_the_validated_estimator_and_stays_torch_free():
     done = subprocess.run([sys.executable, "-c", code], env=cli_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
-    from parallel.memory import estimate
+    from parallel.strategies.memory import estimate
 
     sweep = expand(ROOT / "configs/sweeps/paper-owt2.yaml")
     world = sweep.slurm["nodes"] * sweep.slurm["nproc_per_node"]
     printed = json.loads(done.stdout)
     assert len(printed) == len(sweep.runs) == 36
     for run, memory in zip(sweep.runs, printed, strict=True):
-        ranks = estimate(run.config, world, "cuda")
+        c = run.config
+        ranks = estimate(c.parallel, c.model, c.train.batch_size, c.train.dtype, world, "cuda",
+                         c.optim.decay_alphas)
         assert memory == run.memory_bytes == max(r.total_bytes for r in ranks), run.name
 
 

@@ -51,7 +51,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def forward_backward(case: str, sequence_parallel: bool = False):
-    from parallel.tensor import allreduce_sequence_parallel_grads
+    from parallel.primitives.tensor import allreduce_sequence_parallel_grads
 
     model = make_model(case, sequence_parallel)
     tokens = batch()

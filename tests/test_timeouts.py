@@ -147,14 +147,13 @@ def group_timeouts_after_trainer_set_up(overrides: tuple[str, ...]) -> dict[str,
     (world and megatron-core groups), then a DeepSpeed engine through one step."""
     import torch.distributed as dist
 
-    from parallel.layout import setup_layout
-    from parallel.zero import ZeroEngine
-    from tests.test_zero import build, config
+    from parallel.primitives.layout import setup_layout
+    from tests.test_zero import build, config, zero_engine
 
     cfg = config(f"parallel.timeout_s={TIMEOUT_S}", *overrides, world_size=2)
-    setup_layout(cfg)
+    setup_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s)
     model, optimizer = build(cfg)
-    engine = ZeroEngine(model, optimizer, cfg)
+    engine = zero_engine(model, optimizer, cfg)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     engine.backward(engine.loss(tokens[:, :-1], tokens[:, 1:]))
     engine.step()  # any group DeepSpeed makes lazily exists by now
@@ -180,7 +179,7 @@ def receive_from_a_silent_stage(timeout_s_of_groups: int) -> tuple[float, str] |
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from parallel import groups
+    from parallel.primitives import groups
 
     groups.ensure_initialized(pp=2, timeout_s=timeout_s_of_groups)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -205,7 +204,7 @@ def test_a_pipeline_receive_from_a_silent_stage_raises_after_the_timeout():
 
 
 def test_peer_lost_names_only_collective_failures():
-    from parallel.groups import peer_lost
+    from parallel.primitives.groups import peer_lost
 
     assert peer_lost(RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:1"), 10)
     assert peer_lost(RuntimeError("CUDA out of memory"), 10) is None

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.groups import free_port
+from parallel.primitives.groups import free_port
 from pretrain.config import ConfigError, flat_params, load_config
 from pretrain.tracking import (
     HTTP_BOUNDS,

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (parallel/zero.py) reproduces the plain single-process AdamW run.
+"""DeepSpeed ZeRO (parallel/strategies/zero.py) reproduces the plain single-process AdamW run.
 
 The reference is computed in this test process: one rank, the whole global batch, the
 trainer's recipe (loss / micro-batches, global-norm clipping, torch AdamW with our decay
@@ -48,7 +48,7 @@ def lr(cfg, step: int) -> float:
 
 
 def build(cfg):
-    from parallel.checkpointing import apply_activation_checkpointing
+    from parallel.strategies.checkpointing import apply_activation_checkpointing
     from pretrain.model import DenseFormer
     from pretrain.optim import build_optimizer
 
@@ -85,7 +85,7 @@ def zero_steps(zero, cfg, first: int, last: int, external: bool = False) -> list
     """Steps first..last through the engine on this rank's DP slice; the norms."""
     from megatron.core import parallel_state as ps
 
-    from parallel.tensor import allreduce_sequence_parallel_grads
+    from parallel.primitives.tensor import allreduce_sequence_parallel_grads
 
     data, seq, micro = batches(cfg), cfg.model.seq_len, cfg.parallel.microbatches
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -102,13 +102,19 @@ def zero_steps(zero, cfg, first: int, last: int, external: bool = False) -> list
     return norms
 
 
+def zero_engine(model, optimizer, cfg, dtype=torch.float32):
+    """A ZeroEngine with run config `cfg`'s settings."""
+    from parallel.strategies.zero import ZeroEngine
+
+    return ZeroEngine(model, optimizer, cfg.parallel, cfg.train.batch_size, cfg.optim.grad_clip,
+                      dtype=dtype)
+
+
 def zero_run(stage: int, overrides: tuple[str, ...] = (), dtype=torch.float32,
              external: bool = False):
-    from parallel.zero import ZeroEngine
-
     cfg = config(f"parallel.zero_stage={stage}", *overrides)
     model, optimizer = build(cfg)
-    zero = ZeroEngine(model, optimizer, cfg, dtype=dtype)
+    zero = zero_engine(model, optimizer, cfg, dtype=dtype)
     norms = zero_steps(zero, cfg, 1, STEPS, external)
     return norms, zero.full_model_state(), zero.full_optimizer_state()
 
@@ -126,27 +132,25 @@ def eval_loss(model) -> float:
 def zero3_eval_loss() -> float:
     """After 3 ZeRO-3 steps, the trainer's validation path: the engine's module, whose
     hooks gather the partitioned weights."""
-    from parallel.zero import ZeroEngine
 
     cfg = config("parallel.zero_stage=3")
     model, optimizer = build(cfg)
-    zero = ZeroEngine(model, optimizer, cfg)
+    zero = zero_engine(model, optimizer, cfg)
     zero_steps(zero, cfg, 1, STEPS)
     return eval_loss(zero.module)
 
 
 def zero_resumed_run(stage: int, saved_at: int = 2):
     """Steps 1..saved_at, full state out, a fresh engine loads it and runs to STEPS."""
-    from parallel.zero import ZeroEngine
 
     cfg = config(f"parallel.zero_stage={stage}")
     model, optimizer = build(cfg)
-    first = ZeroEngine(model, optimizer, cfg)
+    first = zero_engine(model, optimizer, cfg)
     zero_steps(first, cfg, 1, saved_at)
     model_state, optimizer_state = first.full_model_state(), first.full_optimizer_state()
     cfg.train.seed += 1  # different initial weights: the load must overwrite them all
     model, optimizer = build(cfg)
-    second = ZeroEngine(model, optimizer, cfg)
+    second = zero_engine(model, optimizer, cfg)
     second.load_full_state(model_state, optimizer_state)
     norms = zero_steps(second, cfg, saved_at + 1, STEPS)
     return norms, second.full_model_state(), second.full_optimizer_state()
@@ -155,11 +159,10 @@ def zero_resumed_run(stage: int, saved_at: int = 2):
 def deepspeed_links_state_late() -> bool:
     """Whether DeepSpeed still leaves the second param group's AdamW state unlinked after
     the first update (the bug `deepspeed_compat.relink_optimizer_state` works around)."""
-    from parallel.zero import ZeroEngine
 
     cfg = config("parallel.zero_stage=1")
     model, optimizer = build(cfg)
-    zero = ZeroEngine(model, optimizer, cfg)
+    zero = zero_engine(model, optimizer, cfg)
     zero_steps(zero, cfg, 1, 1)
     no_decay = zero.optimizer.bit16_groups[1]  # norms and alphas
     mappings = [p._hp_mapping for p in no_decay if p._hp_mapping is not None]
@@ -258,28 +261,29 @@ def initial_params():
 
 
 def test_deepspeed_config_is_built_from_ours():
-    from parallel.zero import deepspeed_config
+    from parallel.strategies.zero import deepspeed_config
 
     cfg = config("parallel.zero_stage=2", "optim.grad_clip=0.7", "train.batch_size=16",
                  "parallel.microbatches=4")
-    ds = deepspeed_config(cfg, dp=2)
+    def ds_config(cfg, dp: int, dtype=torch.float32) -> dict:
+        return deepspeed_config(cfg.parallel, cfg.train.batch_size, cfg.optim.grad_clip, dp, dtype)
+
+    ds = ds_config(cfg, dp=2)
     assert ds["gradient_clipping"] == 0.7  # DeepSpeed's default would be 1.0
     assert ds["zero_optimization"]["stage"] == 2
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
             ds["gradient_accumulation_steps"]) == (16, 2, 4)
     assert ds["bf16"]["enabled"] is False
     assert "optimizer" not in ds and "scheduler" not in ds  # ours: AdamW groups, lr_at
-    assert deepspeed_config(cfg, 2, torch.bfloat16)["bf16"]["enabled"] is True
+    assert ds_config(cfg, 2, torch.bfloat16)["bf16"]["enabled"] is True
     no_clip = config("parallel.zero_stage=1", "optim.grad_clip=0")
-    assert deepspeed_config(no_clip, dp=1)["gradient_clipping"] == 0.0
+    assert ds_config(no_clip, dp=1)["gradient_clipping"] == 0.0
 
 
 def test_zero_engine_is_only_for_stages_1_to_3():
     """zero_stage 0 trains without DeepSpeed (pretrain/engine.py's AdamWUpdate)."""
-    from parallel.zero import ZeroEngine
-
     with pytest.raises(ValueError, match="zero_stage 1, 2 or 3, got 0"):
-        ZeroEngine(torch.nn.Linear(2, 2), None, config("parallel.zero_stage=0"))
+        zero_engine(torch.nn.Linear(2, 2), None, config("parallel.zero_stage=0"))
 
 
 @pytest.mark.timeout(420)
@@ -288,7 +292,7 @@ def test_zero_stages_at_dp2_reproduce_single_process_adamw(reference, reference_
     results = run_distributed_test(pure_dp_cases, world_size=2, timeout_s=400)
     for rank_result in results:
         assert rank_result["links_late"], "DeepSpeed links AdamW state in time now: drop " \
-            "parallel.deepspeed_compat.relink_optimizer_state"
+            "parallel.primitives.deepspeed_compat.relink_optimizer_state"
         for stage in (1, 2, 3):
             assert_close(rank_result[f"stage{stage}"], reference, f"ZeRO-{stage}")
             got = rank_result[f"stage{stage}-eps"]

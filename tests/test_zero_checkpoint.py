@@ -1,5 +1,5 @@
 """ZeRO checkpoints as shards (pretrain/zero_checkpoint.py, pretrain/flat_shards.py) and the
-DeepSpeed internals they read (parallel/deepspeed_compat.py).
+DeepSpeed internals they read (parallel/primitives/deepspeed_compat.py).
 
 A ZeRO checkpoint is exact: what a ZeRO-1/2/3 engine at DP=2 writes, read back in one
 process, equals DeepSpeed's own gathered full tensors bit for bit, and loading it into
@@ -42,7 +42,7 @@ def _owned_ranges_checked(zero) -> dict:
     full-tensor helpers over the range)} (collective: the helpers all-reduce)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from parallel import deepspeed_compat as compat
+    from parallel.primitives import deepspeed_compat as compat
 
     optimizer = zero.engine.optimizer
     compat.relink_optimizer_state(optimizer)  # for safe_get_full_optimizer_state
@@ -67,7 +67,7 @@ def _owned_ranges_checked(zero) -> dict:
 
 
 def _full_state(target) -> tuple[dict, dict]:
-    from parallel.zero import ZeroEngine
+    from parallel.strategies.zero import ZeroEngine
     from pretrain.model.state import full_model_state, full_optimizer_state
 
     if isinstance(target, ZeroEngine):
@@ -89,16 +89,15 @@ def zero_cases(root: str) -> dict:
     a checkpoint written, read back whole, and loaded into another stage (0: plain AdamW)."""
     import torch.distributed as dist
 
-    from parallel.zero import ZeroEngine
     from pretrain import sharded_checkpoint, zero_checkpoint
     from pretrain.checkpoint import Retention, read_manifest
     from pretrain.run_checkpoint import save_run
-    from tests.test_zero import build, config, zero_steps
+    from tests.test_zero import build, config, zero_engine, zero_steps
 
     rank, out = dist.get_rank(), {}
     for stage, other in ((1, 3), (2, 0), (3, 1)):
         cfg = config(f"parallel.zero_stage={stage}")
-        zero = ZeroEngine(*build(cfg), cfg)
+        zero = zero_engine(*build(cfg), cfg)
         zero_steps(zero, cfg, 1, 2)
         internals = _owned_ranges_checked(zero)
         full = _full_state(zero)
@@ -111,7 +110,7 @@ def zero_cases(root: str) -> dict:
         cfg_other.train.seed += 1  # other initial weights: the load must replace them all
         model, optimizer = build(cfg_other)
         if other:
-            loaded = ZeroEngine(model, optimizer, cfg_other)
+            loaded = zero_engine(model, optimizer, cfg_other)
             zero_checkpoint.load_local(path, read_manifest(path), loaded)
         else:
             loaded = (model, optimizer)
@@ -130,11 +129,11 @@ def zero_results(tmp_path_factory) -> list[dict]:
 def test_deepspeed_is_the_version_deepspeed_compat_was_checked_against():
     import deepspeed
 
-    from parallel.deepspeed_compat import TESTED_VERSION
+    from parallel.primitives.deepspeed_compat import TESTED_VERSION
 
     assert deepspeed.__version__ == TESTED_VERSION, (
-        f"DeepSpeed {deepspeed.__version__}: re-check parallel/deepspeed_compat.py against "
-        f"it (this file's tests), then raise TESTED_VERSION")
+        f"DeepSpeed {deepspeed.__version__}: re-check parallel/primitives/deepspeed_compat.py "
+        f"against it (this file's tests), then raise TESTED_VERSION")
 
 
 @pytest.mark.timeout(420)

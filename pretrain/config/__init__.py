@@ -10,7 +10,9 @@ is spawned. Each numeric key states its valid range next to its default (`ranged
 by `validate`; NaN and inf are never valid); docs/configuration-ranges.md lists them
 (`ranges_markdown`), docs/configuration.md describes the keys.
 
-The modules: `sections` (the dataclasses and ConfigError), `coercion` (values against type
+ConfigError lives with the model's config (pretrain/model/config.py), the lowest layer that
+raises it; the parallel section's type with the strategies (parallel/strategies/config.py).
+The modules: `sections` (the dataclasses), `coercion` (values against type
 hints), `validation` (ranges and checks across fields), `loading` (YAML, base files,
 overrides, saving).
 """
@@ -27,19 +29,18 @@ from pretrain.config.sections import (
     SECTIONS,
     CheckpointSection,
     Config,
-    ConfigError,
     DataSection,
     OptimSection,
-    ParallelSection,
     RunSection,
     TrackingSection,
     TrainSection,
 )
 from pretrain.config.validation import model_config_error, ranges_markdown, valid_range, validate
+from pretrain.model.config import ConfigError
 
 __all__ = [
     "RUN_CONTROL_KEYS", "SECTIONS", "CheckpointSection", "Config", "ConfigError", "DataSection",
-    "OptimSection", "ParallelSection", "RunSection", "TrackingSection", "TrainSection",
+    "OptimSection", "RunSection", "TrackingSection", "TrainSection",
     "config_to_dict", "flat_params", "load_config", "model_config_error", "ranges_markdown",
     "override_argument", "save_config", "valid_range", "validate",
 ]

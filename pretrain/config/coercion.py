@@ -8,7 +8,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal, Union
 
-from pretrain.config.sections import ConfigError
+from pretrain.model.config import ConfigError
 
 
 def type_name(tp: Any) -> str:

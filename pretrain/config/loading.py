@@ -9,6 +9,7 @@ is set (pretrain/config/coercion.py); `validate` then checks the whole config.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import typing
@@ -23,11 +24,12 @@ from pretrain.config.sections import (
     RUN_CONTROL_KEYS,
     SECTIONS,
     Config,
-    ConfigError,
     field_name,
     key_name,
 )
 from pretrain.config.validation import validate
+from pretrain.model.config import ConfigError
+from pretrain.run_files import write_atomic
 
 
 class _Loader(yaml.SafeLoader):
@@ -100,8 +102,6 @@ def override_argument(text: str) -> str:
     """argparse `type` of a `--set KEY=VALUE` option: the text, or a usage error that says
     how to write it (`--set train.steps 50` would otherwise end in "unrecognized
     arguments: 50")."""
-    import argparse
-
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE: write --set "
                                           f"{text.strip()}=VALUE, one argument")
@@ -156,8 +156,6 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the config as YAML, atomically (RunFileError naming the file if it fails)."""
-    from pretrain.run_files import write_atomic
-
     write_atomic(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 

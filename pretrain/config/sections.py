@@ -1,7 +1,9 @@
 """The sections of the run config, one dataclass each, and the Config that holds them.
 
-The model section is `DenseFormerConfig` itself (pretrain/model/config.py), so a field added
-to the model is a config key at once; its vocab_size may be null (taken from the data).
+Each component owns its section's type: the model section is `DenseFormerConfig` itself
+(pretrain/model/config.py), so a field added to the model is a config key at once (its
+vocab_size may be null, taken from the data), and the parallel section is the strategies'
+`ParallelSection` (parallel/strategies/config.py). The rest are the run's own.
 """
 
 from __future__ import annotations
@@ -12,15 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from parallel.strategies.config import ParallelSection
 from pretrain.model.config import DenseFormerConfig, ranged
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; `key` is the dotted key, e.g. "model.n_heads"."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 @dataclass
@@ -72,46 +67,12 @@ class TrainSection:
     # on_nan=skip: more skipped steps in a row than this stops the run (exit 3)
     max_consecutive_skips: int = ranged(10, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # torch.compile (parallel/compile.py): none, each block (DWAs eager), or the model's whole
-    # loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
-    # to check a model traces without generating code. auto (parallel/compile_choice.py):
+    # torch.compile (parallel/strategies/compile.py): none, each block (DWAs eager), or the model's
+    # whole loss (blocks, DWAs and head in one graph per micro-batch); the backend, e.g. aot_eager
+    # to check a model traces without generating code. auto (parallel/strategies/compile_choice.py):
     # model or blocks on CUDA, none on CPU and with ZeRO-3.
     compile: Literal["auto", "none", "blocks", "model"] = "auto"
     compile_backend: str = "inductor"
-
-
-@dataclass
-class ParallelSection:
-    tp: int = ranged(1, ge=1, also="divides model.n_heads and the padded vocabulary")
-    pp: int = ranged(1, ge=1, also="<= model.n_layers")
-    # Per data-parallel rank per step (= gradient accumulation). auto: the fewest whose
-    # size fits the GPU, from its free memory and the estimator (parallel/microbatch_fit.py).
-    microbatches: int | Literal["auto"] = ranged(
-        1, ge=1, also="divides train.batch_size; with virtual_stages > 1, a multiple of pp "
-                      "or < 2 x pp")
-    zero_stage: int = ranged(0, ge=0, le=3, also="2 and 3 only with tp = pp = 1")
-    # Without ZeRO, how gradients are averaged over data parallelism: torch DDP, in buckets
-    # during the backward (interleaved pipelines fall back to flat), or one flat all-reduce
-    # after the backward (parallel/ddp.py).
-    dp_reduction: Literal["ddp", "flat"] = "ddp"
-    sequence_parallel: bool = False
-    # Pipeline (docs/pipeline.md): stages per pipeline rank (> 1: interleaved 1F1B), blocks
-    # per stage in order (null: balanced), and what crosses stage boundaries.
-    virtual_stages: int = ranged(1, ge=1, also="> 1 needs pp > 1; pp x virtual_stages <= "
-                                                    "model.n_layers")
-    pp_split: list[int] | None = None
-    pp_transfer: Literal["optimal", "raw"] = "optimal"
-    # The dtype of the tensors crossing a stage boundary (both directions): the compute
-    # dtype (bf16 under bf16 autocast: half the traffic; widened back on receipt) or fp32.
-    pipeline_dtype: Literal["compute", "fp32"] = "compute"
-    # Activation checkpointing (parallel/checkpointing.py): recompute units of
-    # `checkpoint_every` blocks in backward; dwa_block also recomputes the DWA before a unit.
-    activation_checkpointing: Literal["none", "block", "dwa_block"] = "none"
-    checkpoint_every: int = ranged(1, ge=1, also="<= model.n_layers; 1 with pp > 1")
-    # Timeout of every collective (world, megatron-core and DeepSpeed groups): a hung or
-    # stopped peer ends the job after this long instead of holding every rank (a day at most:
-    # longer is a hang, not a slow collective).
-    timeout_s: int = ranged(600, ge=1, le=86400)
 
 
 @dataclass

@@ -11,9 +11,11 @@ import dataclasses
 import typing
 from typing import Any
 
+from parallel.strategies.config import ParallelSection
+from parallel.strategies.schedule import schedule_problem
 from pretrain.config.coercion import coerce
-from pretrain.config.sections import SECTIONS, Config, ConfigError, ParallelSection, key_name
-from pretrain.model.config import RANGE, ModelConfigError, Range, numeric_kind
+from pretrain.config.sections import SECTIONS, Config, key_name
+from pretrain.model.config import RANGE, ConfigError, ModelConfigError, Range, numeric_kind
 
 
 def model_config_error(err: ModelConfigError) -> ConfigError:
@@ -29,8 +31,6 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def _check_pipeline(p: ParallelSection, n_layers: int) -> None:
     """Stage count, explicit split and micro-batch count against the pipeline schedule."""
-    from parallel.schedule import schedule_problem
-
     _check(p.virtual_stages == 1 or p.pp > 1, "parallel.virtual_stages",
            f"{p.virtual_stages} virtual stages need parallel.pp > 1 (interleaved 1F1B)")
     stages = p.pp * p.virtual_stages

@@ -26,6 +26,8 @@ import os
 import shutil
 from pathlib import Path
 
+import sentencepiece as spm
+
 from pretrain.config import ConfigError
 
 MODELING_FILE = "modeling_denseformer.py"
@@ -56,6 +58,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def hf_config(model_cfg, tokenizer):
     """The DenseFormerHFConfig of a trainer's model shape (`DenseFormerConfig`)."""
+    # deferred: pulls in torch, transformers (slow to start, or optional)
     from pretrain.hf.modeling_denseformer import DenseFormerHFConfig
 
     pattern = model_cfg.dwa_pattern
@@ -83,10 +86,12 @@ def hf_config(model_cfg, tokenizer):
 def export_hf(path: Path, out: Path) -> Path:
     """Write the Hugging Face directory of the model at `path` (run, checkpoint or export)
     to `out`; returns `out`."""
+    # deferred: pulls in torch (slow to start, or optional)
     import torch
     import torch.distributed as dist
 
-    from parallel import groups
+    # deferred: pulls in sentencepiece, torch, transformers (slow to start, or optional)
+    from parallel.primitives import groups
     from pretrain.hf.llama_weights import to_hf
     from pretrain.hf.modeling_denseformer import DenseFormerForCausalLM
     from pretrain.load import load_model
@@ -129,8 +134,10 @@ def export_hf(path: Path, out: Path) -> Path:
 
 def llama_model(cfg, state: dict, tokenizer):
     """A transformers LlamaForCausalLM holding a llama-block Transformer's weights."""
+    # deferred: pulls in transformers (slow to start, or optional)
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.hf.llama_weights import to_hf
 
     special = {name: value for name, value in (("eos_token_id", tokenizer.eos_id),
@@ -154,13 +161,12 @@ def _tokenizer_config(tokenizer) -> dict:
     sentencepiece model's own), none added."""
     config = {"add_bos_token": False, "add_eos_token": False}
     if tokenizer.path.name == "tokenizer.json":
+        # deferred: pulls in tokenizers (slow to start, or optional)
         from tokenizers import Tokenizer as RustTokenizer
 
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
         token_text = RustTokenizer.from_file(str(tokenizer.path)).id_to_token
     else:
-        import sentencepiece as spm
-
         token_text = spm.SentencePieceProcessor(model_file=str(tokenizer.path)).id_to_piece
     for key, token_id in (("eos_token", tokenizer.eos_id), ("bos_token", tokenizer.bos_id),
                           ("pad_token", tokenizer.eos_id)):

@@ -25,7 +25,9 @@ import os
 import shutil
 from pathlib import Path
 
-from pretrain.config import ConfigError
+from data_pipeline import DataError
+from pretrain.checkpoint import Retention
+from pretrain.config import Config, ConfigError, config_to_dict, save_config
 from pretrain.hf.llama_config import ImportRefused, model_section
 
 WEIGHTS = "model.safetensors"
@@ -69,6 +71,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 def read_weights(hf_dir: Path) -> dict:
     """{Hugging Face name: tensor} of every safetensors file of the directory; ImportRefused
     naming a file that cannot be read (truncated, not safetensors)."""
+    # deferred: pulls in safetensors (slow to start, or optional)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -96,6 +99,7 @@ def read_weights(hf_dir: Path) -> dict:
 def check_shapes(hf: dict, model, cfg, hf_dir: Path) -> None:
     """ImportRefused naming the first weight whose shape differs from what config.json
     describes (the shape our model's weights take in transformers' layout)."""
+    # deferred: pulls in torch (slow to start, or optional)
     from pretrain.hf.llama_weights import to_hf
 
     ours = {name: param.detach() for name, param in model.named_parameters()}
@@ -109,14 +113,13 @@ def check_shapes(hf: dict, model, cfg, hf_dir: Path) -> None:
 def import_hf(hf_dir: Path, out: Path, dwa: tuple[int, int] | None = None,
               seq_len: int | None = None) -> Path:
     """Write the run directory `out` of the Hugging Face model at `hf_dir`; its checkpoint."""
+    # deferred: pulls in torch (slow to start, or optional)
     import torch
     import torch.distributed as dist
 
-    from data_pipeline import DataError
+    # deferred: pulls in megatron-core, sentencepiece, torch (slow to start, or optional)
     from data_pipeline.tokenizer import copy_tokenizer, find_tokenizer_file, load_tokenizer
-    from parallel import groups
-    from pretrain.checkpoint import Retention
-    from pretrain.config import Config, config_to_dict, save_config
+    from parallel.primitives import groups
     from pretrain.hf.llama_weights import from_hf
     from pretrain.model import DenseFormer, DenseFormerConfig
     from pretrain.model.state import load_full_model_state
@@ -183,6 +186,7 @@ class _Weights:
         self.model, self.optimizer = model, optimizer
 
     def sharded_state(self) -> dict:
+        # deferred: pulls in torch (slow to start, or optional)
         from pretrain import sharded_checkpoint
 
         return sharded_checkpoint.local_state(self.model, self.optimizer)

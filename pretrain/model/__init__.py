@@ -11,6 +11,7 @@ __all__ = ["DenseFormer", "DenseFormerConfig", "ModelConfigError"]
 
 def __getattr__(name: str):
     if name == "DenseFormer":
+        # deferred: pulls in megatron-core, torch (slow to start, or optional)
         from pretrain.model.denseformer import DenseFormer
 
         return DenseFormer

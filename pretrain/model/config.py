@@ -83,6 +83,14 @@ def numeric_kind(hint: Any) -> tuple[type | None, bool]:
     return None, nullable
 
 
+class ConfigError(ValueError):
+    """An invalid configuration value; `key` is the dotted key, e.g. "model.n_heads"."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
 class ModelConfigError(ValueError):
     """A model field holds an invalid value; `key` names the field."""
 

@@ -22,8 +22,8 @@ from megatron.core.tensor_parallel import (
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from torch import nn
 
-from parallel import groups
-from parallel.tensor import mark_sequence_parallel
+from parallel.primitives import groups
+from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model import lm_parts
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
@@ -69,7 +69,7 @@ class DenseFormer(nn.Module):
         self.register_buffer("dwa_mask", self.dwa_weights.new_mask(), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = self.dwa_weights.new_parameter()
-        # Set by parallel.checkpointing.apply_activation_checkpointing: run_blocks then runs
+        # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks runs
         # the program in checkpointed units.
         self.activation_checkpointing = None
         mark_tensor_parallel(self)

@@ -74,6 +74,7 @@ class TritonOps:
     name = "triton"
 
     def __init__(self):
+        # deferred: pulls in Triton (slow to start, or optional)
         from pretrain.model import dwa_triton
 
         self.kernels = dwa_triton

@@ -4,7 +4,7 @@ Index conventions as in dwa_pattern.py (X_j the output of block j, X_0 the embed
 after block c reads S_c and applies alpha[c, j], row c - 1 and column j of the alpha matrix).
 A *consumer* c reads the X_j in `reads_of[c]` (all of one residue class mod k): a DWA of the
 model, or, on a pipeline stage, the part of a DWA that the stage folds in
-(parallel/stage_state.py). Per residue class r there are two buffers:
+(parallel/strategies/stage_state.py). Per residue class r there are two buffers:
 
 - values: the stored X_j of class r in increasing j (`slot[j] = (r, position)`); every
   consumer reads one slice of it (`reads[c] = (r, start, stop)`);

@@ -4,7 +4,7 @@ Index conventions as in dwa_pattern.py: one (d, d + 1) matrix, row i - 1 the DWA
 i, column j the weight on X_j, entries outside the pattern structurally zero. The module
 that owns the weights registers the parameter (`dwa_alpha`) and the mask buffer (`dwa_mask`)
 under its own names (checkpoints and pretrain/model/init.py know those); `DWAWeights` makes
-them and reads them, so `DenseFormer` and `StageModel` (parallel/stage_model.py) share
+them and reads them, so `DenseFormer` and `StageModel` (parallel/strategies/stage_model.py) share
 this code instead of copying it.
 """
 

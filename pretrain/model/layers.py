@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from parallel.tensor import tp_rank_rng
+from parallel.primitives.tensor import tp_rank_rng
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.linear import column_linear, row_linear
 from pretrain.model.rotary import RotaryEmbedding, split_qkv

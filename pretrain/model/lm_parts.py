@@ -1,5 +1,5 @@
 """The pieces around the blocks that `DenseFormer` and a pipeline rank's `StageModel`
-(parallel/stage_model.py) both hold: their construction, the embedding, the LM head's
+(parallel/strategies/stage_model.py) both hold: their construction, the embedding, the LM head's
 weight and loss, the parameter count. Each function reads the attributes the two models
 share (`embedding`, `lm_head`, `dwa_alpha`, `dwa_weights`, `config`, `tp_group`,
 `sequence_parallel`), so neither model borrows the other's methods.

@@ -7,7 +7,7 @@ Y_i = sum_{j in S_i} alpha[i, j] X_j. Inside block i, the attention sub-layer ma
 H_i and the MLP sub-layer maps H_i to X_i (pretrain/model/layers.py `Block`).
 
 A program (`StageProgram`) covers blocks first..last: a whole model is the one stage 1..d,
-receiving and sending nothing; a pipeline stage (parallel/stage_state.py chooses what
+receiving and sending nothing; a pipeline stage (parallel/strategies/stage_state.py chooses what
 crosses its boundaries) receives raw X_j and partial sums and sends the same. Its entries:
 
 - `Step`: one layer to run, block i whole (`layer="block"`) or one of its sub-layers
@@ -23,7 +23,7 @@ crosses its boundaries) receives raw X_j and partial sums and sends the same. It
 read (and drops each after its last reader, `StageProgram.drops`), and leaves the
 arithmetic of the connections to a pluggable connection state: buffered or functional DWAs
 in training (pretrain/model/dwa.py), the prefill and decoding states of a cached forward
-(pretrain/model/dwa_inference.py). Activation checkpointing (parallel/checkpointing.py)
+(pretrain/model/dwa_inference.py). Activation checkpointing (parallel/strategies/checkpointing.py)
 runs units of consecutive blocks, slices of the same steps, through the same interpreter.
 Everything here except `ProgramRun` is plain Python.
 """

@@ -71,8 +71,8 @@ def relink_optimizer_state(zero_optimizer) -> None:
     DeepSpeed links them once, right after the update of the first parameter group, when
     the other groups have no state yet: with our two weight-decay groups the no-decay
     group's state stays unreachable to `safe_get_full_optimizer_state` (which only the
-    full-state helpers of parallel/zero.py use; `OwnedRange.state` reads the state itself).
-    tests/test_zero.py checks that this is still needed."""
+    full-state helpers of parallel/strategies/zero.py use; `OwnedRange.state` reads the state
+    itself). tests/test_zero.py checks that this is still needed."""
     if hasattr(zero_optimizer, "_hp_optimizer_states_linked"):
         zero_optimizer._hp_optimizer_states_linked = False
         zero_optimizer._lazy_init_hp_params_optimizer_state()

@@ -6,7 +6,7 @@ tied embedding on the ranks of the first and last stage; the full alpha matrix),
 `PipelineStage` per (virtual) stage with every boundary's tensors declared up front, and a
 schedule: 1F1B (`Schedule1F1B`; with fewer micro-batches than stages, `ScheduleGPipe`, which
 is what 1F1B then reduces to), or interleaved 1F1B (`ScheduleInterleaved1F1B`) with
-`parallel.virtual_stages` > 1. What crosses each boundary is parallel/stage_state.py's.
+`parallel.virtual_stages` > 1. What crosses each boundary is parallel/strategies/stage_state.py's.
 
 One step (`train_step`): only the first stage reads the tokens and only the last the
 targets; the loss is the mean of the micro-batch means, as in the single-process run (each
@@ -14,8 +14,8 @@ micro-batch's loss is divided by their number, and the schedule's own gradient s
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage) and the tied embedding's gradients over the embedding group (first and
 last stage, as in Megatron). Data-parallel averaging happens in the stage's last backward
-when the stage modules are DDP modules (`ddp_group`, parallel/ddp.py), else in the trainer;
-clipping and the optimizer step stay with the trainer.
+when the stage modules are DDP modules (`ddp_group`, parallel/strategies/ddp.py), else in the
+trainer; clipping and the optimizer step stay with the trainer.
 
 Pitfalls of torch.distributed.pipelining (2.13) handled here: declared shapes must be
 `requires_grad=True` meta tensors for activations (plain ones fail in backward) and are not
@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from torch.distributed import pipelining
 
-from parallel.plan import build_plan
-from parallel.schedule import schedule_name, schedule_problem
-from parallel.stage_model import StageModel, StageModule
+from parallel.strategies import ddp
+from parallel.strategies.plan import build_plan
+from parallel.strategies.schedule import schedule_name, schedule_problem
+from parallel.strategies.stage_model import StageModel, StageModule
 from pretrain.model.config import DenseFormerConfig
+from pretrain.model.state import full_model_state, load_full_model_state
 
 # Parameters replicated over the pipeline group carry this attribute on every rank but one,
 # so that a global gradient norm counts them once (the tied embedding on the last stage,
@@ -52,9 +56,6 @@ class PipelineRunner:
                  transfer: str = "optimal", seed: int = 0, device: torch.device | None = None,
                  sequence_parallel: bool = False, activation_checkpointing: bool = False,
                  ddp_group=None, boundary_dtype: torch.dtype = torch.float32):
-        from megatron.core import parallel_state as ps
-        from torch.distributed import pipelining
-
         self.device = device or torch.device("cpu")
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp, self.pp_rank = self.pp_group.size(), self.pp_group.rank()
@@ -89,13 +90,11 @@ class PipelineRunner:
         self.model.pp_group = self.pp_group  # the trainer's gradient norm sums over it
 
         # `ddp_group`: the stage module under DDP, which averages the gradients over data
-        # parallelism during the stage's last backward (parallel/ddp.py); one stage per rank
-        # only, as interleaved stages share the rank's parameters. A stage need not read
+        # parallelism during the stage's last backward (parallel/strategies/ddp.py); one stage per
+        # rank only, as interleaved stages share the rank's parameters. A stage need not read
         # every parameter of its StageModel (the alphas of a stage without a DWA).
         submodules = self.modules
         if ddp_group is not None:
-            from parallel import ddp
-
             if virtual_stages > 1:
                 raise ValueError("DDP stage modules need virtual_stages = 1 (interleaved "
                                  "stages share parameters)")
@@ -231,8 +230,6 @@ class PipelineRunner:
     def gather_to_main(self, local: dict) -> dict:
         """Merge each pipeline rank's {name: ...} on pipeline rank 0 of TP rank 0 / DP rank 0
         (global rank 0); elsewhere the local dict comes back."""
-        from megatron.core import parallel_state as ps
-
         if ps.get_tensor_model_parallel_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return local
         parts = [None] * self.pp if self.pp_rank == 0 else None
@@ -247,8 +244,6 @@ class PipelineRunner:
 
     def full_model_state(self) -> dict:
         """{name: full tensor} of the whole model on global rank 0 (collective)."""
-        from pretrain.model.state import full_model_state
-
         return self.gather_to_main(full_model_state(self.model))
 
     def local_model_state(self, state: dict) -> dict:
@@ -261,6 +256,4 @@ class PipelineRunner:
 
     def load_model_state(self, state: dict) -> None:
         """Load this rank's parameters from a full (single-process) model state."""
-        from pretrain.model.state import load_full_model_state
-
         load_full_model_state(self.model, self.local_model_state(state))

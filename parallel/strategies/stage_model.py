@@ -5,8 +5,9 @@ ranks of the first and last stage, tied as in the single-process model), under t
 single-process parameter names (`blocks.{i-1}.…`, `embedding.weight`, `final_norm.weight`,
 `dwa_alpha`), so the layout-independent init (pretrain/model/init.py) and the checkpoint
 state (pretrain/model/state.py) see the same tensors as in `DenseFormer`. Every rank keeps
-the full (d, d + 1) alpha matrix; a stage applies only its entries (parallel/stage_state.py)
-and the pipeline sums the alpha gradients over the pipeline group, so all copies stay equal.
+the full (d, d + 1) alpha matrix; a stage applies only its entries
+(parallel/strategies/stage_state.py) and the pipeline sums the alpha gradients over the
+pipeline group, so all copies stay equal.
 
 `StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
 that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
@@ -22,8 +23,8 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel import groups
-from parallel.tensor import mark_sequence_parallel
+from parallel.primitives import groups
+from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model import lm_parts
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections

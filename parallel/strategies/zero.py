@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO for the training loop: an engine configured from our config.
 
-    zero = ZeroEngine(model, optimizer, cfg, dtype=torch.float32)   # after groups are up
+    zero = ZeroEngine(model, optimizer, cfg.parallel, cfg.train.batch_size, cfg.optim.grad_clip,
+                      dtype=torch.float32)   # after groups are up
     for tokens, targets in micro_batches:
         zero.backward(zero.loss(tokens, targets))    # scaled by 1 / parallel.microbatches
     grad_norm = zero.step()                          # DP reduction, clipping, AdamW update
@@ -11,7 +12,7 @@ the param groups every step; DeepSpeed gets no scheduler), gradient clipping (`o
 becomes DeepSpeed's `gradient_clipping`, whose default would be 1.0), and the checkpoint
 format: each rank saves and loads its own partition under the layout-free keys of every
 other engine (pretrain/zero_checkpoint.py, reading DeepSpeed's internals through
-parallel/deepspeed_compat.py), so a ZeRO-2 run at DP=2 resumes at DP=1 without ZeRO and
+parallel/primitives/deepspeed_compat.py), so a ZeRO-2 run at DP=2 resumes at DP=1 without ZeRO and
 back. `full_model_state`, `full_optimizer_state` and `load_full_state` move whole tensors
 (gathered over DP and TP) for comparisons with a single-process run. The DeepSpeed config
 is built here (`deepspeed_config`), never written by hand.
@@ -25,7 +26,7 @@ ZeroEngine. The model-parallel groups reach DeepSpeed through `mpu`
 
 Gradient accumulation is DeepSpeed's "unmanaged" mode: `backward` accumulates locally and
 `step` is the accumulation boundary. Stage 1 keeps plain `.grad` tensors until `step`,
-so the sequence-parallel reduction (`parallel.tensor`) and an external pipeline schedule
+so the sequence-parallel reduction (`parallel.primitives.tensor`) and an external pipeline schedule
 (docs/pipeline.md: backward outside the engine, gradients already the mean over
 micro-batches, then `step`) need nothing else.
 
@@ -46,9 +47,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import nn
 
-_REPO = Path(__file__).resolve().parent.parent
+from parallel.primitives.deepspeed_compat import (
+    create_optimizer_state,
+    relink_optimizer_state,
+    update_count,
+)
+from parallel.strategies.config import ParallelSection
+from pretrain.model.init import local_shard
+from pretrain.model.state import _gather_full
+
+_REPO = Path(__file__).resolve().parents[2]  # parallel/strategies/zero.py -> the checkout
 if (_REPO / "pyproject.toml").exists():  # a checkout: keep the JIT-built op next to it
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".torch_extensions"))
 
@@ -64,8 +75,6 @@ class MegatronMPU:
     (tests/test_timeouts.py reads the timeout of every group after a ZeRO step)."""
 
     def __init__(self):
-        from megatron.core import parallel_state
-
         self.state = parallel_state
 
     def get_data_parallel_group(self):
@@ -115,24 +124,26 @@ class MegatronMPU:
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
 
 
-def deepspeed_config(cfg, dp: int, dtype: torch.dtype = torch.float32) -> dict:
+def deepspeed_config(parallel: ParallelSection, batch_size: int, grad_clip: float, dp: int,
+                     dtype: torch.dtype = torch.float32) -> dict:
     """The DeepSpeed config of a run: batch split, clipping, ZeRO stage, precision.
 
-    `cfg` is our `pretrain.config.Config`; `dp` the data-parallel size."""
-    p, stage = cfg.parallel, cfg.parallel.zero_stage
-    per_rank = cfg.train.batch_size // dp
+    `batch_size` is train.batch_size, `grad_clip` optim.grad_clip; `dp` the data-parallel
+    size."""
+    p, stage = parallel, parallel.zero_stage
+    per_rank = batch_size // dp
     zero = {"stage": stage}
     if stage == 3:
         # Every parameter is partitioned, the small norm weights and alphas too (DeepSpeed's
         # default keeps tensors under 1e5 elements whole on every rank): what each rank holds
-        # is then exactly 1/DP of each tensor, as parallel/memory.py counts it.
+        # is then exactly 1/DP of each tensor, as parallel/strategies/memory.py counts it.
         zero["stage3_param_persistence_threshold"] = STAGE3_PERSISTENCE_THRESHOLD
     return {
-        "train_batch_size": cfg.train.batch_size,
+        "train_batch_size": batch_size,
         "train_micro_batch_size_per_gpu": per_rank // p.microbatches,
         "gradient_accumulation_steps": p.microbatches,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # our torch AdamW with its decay groups
@@ -174,6 +185,7 @@ def _external_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _quiet_deepspeed() -> None:
+    # deferred: pulls in DeepSpeed (slow to start, or optional)
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
@@ -182,13 +194,15 @@ def _quiet_deepspeed() -> None:
 class ZeroEngine:
     """A DeepSpeed engine around `model` and our AdamW `optimizer` (see the module doc)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 parallel: ParallelSection, batch_size: int, grad_clip: float,
                  dtype: torch.dtype = torch.float32):
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         import deepspeed
 
-        if cfg.parallel.zero_stage not in (1, 2, 3):
+        if parallel.zero_stage not in (1, 2, 3):
             raise ValueError(f"ZeroEngine needs parallel.zero_stage 1, 2 or 3, got "
-                             f"{cfg.parallel.zero_stage} (0 trains without DeepSpeed)")
+                             f"{parallel.zero_stage} (0 trains without DeepSpeed)")
         _quiet_deepspeed()
         if "LOCAL_RANK" not in os.environ:
             if dist.get_world_size() > 1:
@@ -198,19 +212,21 @@ class ZeroEngine:
         self.mpu = MegatronMPU()
         for param in model.parameters():
             # Copies a pipeline keeps on several stages (alpha, the tied embedding) count once
-            # in DeepSpeed's gradient norm, as in parallel.layout.gradient_norm.
+            # in DeepSpeed's gradient norm, as in parallel.primitives.layout.gradient_norm.
             if getattr(param, "pipeline_duplicate", False):
                 param.ds_pipe_replicated = True
-        self.stage = cfg.parallel.zero_stage
+        self.stage = parallel.zero_stage
         self.dtype = dtype
         self.model = model
         self.module = LossModule(model)
-        self.config = deepspeed_config(cfg, self.mpu.get_data_parallel_world_size(), dtype)
+        self.config = deepspeed_config(parallel, batch_size, grad_clip,
+                                       self.mpu.get_data_parallel_world_size(), dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=self.module, optimizer=optimizer, config=self.config, mpu=self.mpu,
             dist_init_required=False)
         self.client_optimizer = optimizer  # its param groups now hold DeepSpeed's flat copies
         if self.stage == 3:
+            # deferred: pulls in DeepSpeed (slow to start, or optional)
             from deepspeed.runtime.zero import register_external_parameter
 
             for param in _external_parameters(model):
@@ -245,9 +261,8 @@ class ZeroEngine:
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 tensor}, as `pretrain.model.state.full_model_state` (collective:
         gathered over DP where ZeRO partitions, and over TP)."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_get_full_fp32_param
-
-        from pretrain.model.state import _gather_full
 
         tp_group = self.mpu.get_tensor_model_parallel_group()
         state = {}
@@ -259,10 +274,8 @@ class ZeroEngine:
     def full_optimizer_state(self) -> dict:
         """AdamW state {name: {"step", "exp_avg", "exp_avg_sq"}} with full tensors, as
         `pretrain.model.state.full_optimizer_state`; empty before the first update."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_get_full_optimizer_state
-
-        from parallel.deepspeed_compat import relink_optimizer_state, update_count
-        from pretrain.model.state import _gather_full
 
         step = update_count(self.engine.optimizer)
         if step is None:
@@ -279,10 +292,8 @@ class ZeroEngine:
 
     def load_full_state(self, model_state: dict, optimizer_state: dict) -> None:
         """Set parameters (model copy and fp32 master) and AdamW state from full tensors."""
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        from parallel.deepspeed_compat import create_optimizer_state
-        from pretrain.model.init import local_shard
 
         model = self.model
         params = dict(model.named_parameters())
@@ -315,6 +326,7 @@ class ZeroEngine:
         if self.stage != 3:
             yield
             return
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.runtime.zero import GatheredParameters
 
         with GatheredParameters(list(self.model.parameters())):
@@ -324,6 +336,7 @@ class ZeroEngine:
         """Context in which a ZeRO-3 parameter is whole; writes by rank 0 are partitioned."""
         if self.stage != 3:
             return contextlib.nullcontext()
+        # deferred: pulls in DeepSpeed (slow to start, or optional)
         from deepspeed.runtime.zero import GatheredParameters
 
         return GatheredParameters([param], modifier_rank=0)
@@ -331,6 +344,7 @@ class ZeroEngine:
 
 def build_ops() -> None:
     """JIT-build DeepSpeed's CPU communication op into TORCH_EXTENSIONS_DIR (once)."""
+    # deferred: pulls in DeepSpeed (slow to start, or optional)
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -339,13 +353,3 @@ def build_ops() -> None:
         return
     builder.load()
     print(f"DeepSpeed {builder.NAME} op ready in {os.environ.get('TORCH_EXTENSIONS_DIR')}")
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m parallel.zero")
-    parser.add_argument("--build-ops", action="store_true",
-                        help="JIT-build DeepSpeed's CPU op into TORCH_EXTENSIONS_DIR and exit")
-    if parser.parse_args().build_ops:
-        build_ops()

@@ -1,7 +1,7 @@
 """The pipeline plan: which blocks each (virtual) stage holds, and what crosses each boundary.
 
-    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N] [--device cuda]
-                            [--json]
+    python -m parallel.plan --config FILE [--set key=value ...] [--world-size N]
+        [--device cuda] [--json]
 
 prints the plan of a run without starting ranks: the stages, and for every boundary the
 tensors of each transfer mode and their bytes per micro-batch on one TP rank, in the dtype
@@ -28,13 +28,11 @@ plans quickly. The DWA pattern comes from the model config (`DenseFormerConfig.d
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import dataclass
 
-from parallel import stage_state
-from pretrain.model.config import DenseFormerConfig
+from parallel.strategies import stage_state
+from parallel.strategies.config import ParallelSection
+from pretrain.model.config import ConfigError, DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
 FP32_BYTES = 4
@@ -105,8 +103,8 @@ def ranges(split: list[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Stages, their programs (parallel.stage_state.StageProgram) in the chosen mode, and the
-    per-boundary tensor counts of both modes and of the lower bound."""
+    """Stages, their programs (parallel.strategies.stage_state.StageProgram) in the chosen mode, and
+    the per-boundary tensor counts of both modes and of the lower bound."""
 
     config: DenseFormerConfig
     pattern: DWAPattern  # config.dwa_pattern, which the programs were made from
@@ -183,105 +181,28 @@ def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
     return PipelinePlan(cfg, pattern, pp, virtual_stages, transfer, stages, programs, counts)
 
 
-def resolved_dtype(cfg, device: str = "cuda") -> str:
-    """"bf16" or "fp32": `train.dtype`, with auto as the trainer resolves it on `device`."""
-    if cfg.train.dtype == "auto":
+def resolved_dtype(dtype: str, device: str = "cuda") -> str:
+    """"bf16" or "fp32": a `train.dtype` setting, with auto as the trainer resolves it on
+    `device`."""
+    if dtype == "auto":
         return "bf16" if device == "cuda" else "fp32"
-    return cfg.train.dtype
+    return dtype
 
 
-def boundary_dtype_bytes(cfg, device: str = "cuda") -> int:
+def boundary_dtype_bytes(parallel: ParallelSection, dtype: str, device: str = "cuda") -> int:
     """Bytes per element of the tensors crossing a stage boundary: 2 when the run computes
-    in bf16 and `parallel.pipeline_dtype` is compute, else 4 (fp32)."""
-    compute = cfg.parallel.pipeline_dtype == "compute" and resolved_dtype(cfg, device) == "bf16"
+    in bf16 (`dtype`: train.dtype) and `parallel.pipeline_dtype` is compute, else 4 (fp32)."""
+    compute = parallel.pipeline_dtype == "compute" and resolved_dtype(dtype, device) == "bf16"
     return 2 if compute else FP32_BYTES
 
 
-def micro_batch_size(cfg, world_size: int | None = None) -> int:
-    """Sequences per micro-batch on one rank of a run config (pretrain.config.Config); without
-    a world size, data parallelism is taken as 1."""
-    p = cfg.parallel
+def micro_batch_size(parallel: ParallelSection, batch_size: int,
+                     world_size: int | None = None) -> int:
+    """Sequences per micro-batch on one rank, of a global batch of `batch_size` sequences
+    (train.batch_size); without a world size, data parallelism is taken as 1."""
+    p = parallel
     if p.microbatches == "auto":
-        from pretrain.config import ConfigError
-
         raise ConfigError("parallel.microbatches", "auto is chosen at start-up from the GPU's "
-                          "free memory (parallel/microbatch_fit.py): give a number here")
+                          "free memory (parallel/strategies/microbatch_fit.py): give a number here")
     dp = (world_size or p.tp * p.pp) // (p.tp * p.pp)
-    return cfg.train.batch_size // (dp * p.microbatches)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the command lines of parallel.plan, parallel.memory and parallel.memory_probe share
-
-
-def config_parser(prog: str, description: str, world_size: bool = True,
-                  run_dir: bool = False) -> argparse.ArgumentParser:
-    """An argument parser with --config (or, if `run_dir`, --run DIR instead), --set, --json
-    and (if `world_size`) --world-size."""
-    from pretrain.config import override_argument
-
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True) if run_dir else parser
-    source.add_argument("--config", required=not run_dir, help="YAML run config")
-    if run_dir:
-        source.add_argument("--run", metavar="DIR", help="a run directory, instead of --config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", type=override_argument,
-                        help="override a config key (repeatable)")
-    if world_size:
-        parser.add_argument("--world-size", type=int, default=None,
-                            help="number of ranks: sets the data-parallel size and so the "
-                                 "micro-batch (default tp x pp: no data parallelism)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON document")
-    return parser
-
-
-def load_run(args: argparse.Namespace, *overrides: str):
-    """(run config, DenseFormerConfig) of a `config_parser` command line; `overrides` come
-    after the user's. A null model.vocab_size is read from data.path/index.json. Raises
-    ConfigError naming the key."""
-    from pretrain.config import ConfigError, load_config
-
-    world_size = getattr(args, "world_size", None)
-    cfg = load_config(args.config, [*args.overrides, *overrides], world_size=world_size)
-    vocab = cfg.model.vocab_size or _vocab_from_data(cfg.data.path)
-    if vocab is None:
-        raise ConfigError("model.vocab_size", "is null and data.path has no index.json: set it "
-                          "(--set model.vocab_size=N)")
-    return cfg, cfg.model.with_vocab(vocab)
-
-
-def _vocab_from_data(path) -> int | None:
-    from pathlib import Path
-
-    if path and (Path(path) / "index.json").exists():
-        from data_pipeline.index import read_index
-
-        return read_index(path, check_files=False).vocab_size
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = config_parser("python -m parallel.plan", __doc__)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="what train.dtype=auto resolves to (default cuda: bf16)")
-    args = parser.parse_args(argv)
-    try:
-        cfg, model = load_run(args)
-        p = cfg.parallel
-        plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
-    except ValueError as err:  # ConfigError is one
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    micro_batch = micro_batch_size(cfg, args.world_size)
-    dtype_bytes = boundary_dtype_bytes(cfg, args.device)
-    if args.json:
-        print(json.dumps(plan.report(micro_batch, dtype_bytes=dtype_bytes)))
-    else:
-        print("\n".join(plan.describe(micro_batch, dtype_bytes=dtype_bytes)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return batch_size // (dp * p.microbatches)

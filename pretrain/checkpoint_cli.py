@@ -1,18 +1,20 @@
-"""`python -m pretrain checkpoint inspect|export`: tools for a checkpoint on disk."""
+"""`python -m pretrain checkpoint inspect|export` (command-line code: it reads the run config
+of a checkpoint): tools for a checkpoint on disk."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from pretrain import checkpoint, sharded_checkpoint
+from pretrain.config import ConfigError, load_config, save_config
 
 
 def _run_config(path: Path):
     """The config of the run that wrote checkpoint `path` (run_dir/checkpoints/step-*), its
     vocabulary resolved."""
-    from pretrain.config import ConfigError, load_config
-
     run_dir = path.resolve().parent.parent
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError("path", f"{run_dir / 'config.yaml'} is missing: export needs the "
@@ -52,10 +54,8 @@ def _inspect(path: Path, manifest: dict, verified: bool) -> int:
 
 
 def _export(path: Path, manifest: dict, out: Path) -> int:
-    from safetensors.torch import save_file
-
+    # deferred: pulls in sentencepiece (slow to start, or optional)
     from data_pipeline.tokenizer import copy_tokenizer
-    from pretrain.config import save_config
     from pretrain.load import run_tokenizer
 
     meta = checkpoint.read_meta(path, manifest=manifest)

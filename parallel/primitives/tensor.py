@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
-from parallel.groups import allreduce_in_one_bucket
+from parallel.primitives.groups import allreduce_in_one_bucket
 
 # Replicated parameters whose gradients are partial under sequence parallelism (each TP rank
 # sees only its slice of the sequence) carry this attribute, as in Megatron.

@@ -1,14 +1,19 @@
 """Workarounds for megatron-core (0.16) behaviours that fight us, all in one place.
 
 One function per patch, each with the reason. `apply()` is called by
-`parallel.groups.ensure_initialized` before any layer is built. tests/test_megatron_compat.py
-checks that each patched behaviour is still what we patch around, so a megatron-core upgrade
-that changes it fails a test instead of silently changing results.
+`parallel.primitives.groups.ensure_initialized` before any layer is built.
+tests/test_megatron_compat.py checks that each patched behaviour is still what we patch
+around, so a megatron-core upgrade that changes it fails a test instead of silently changing
+results.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import layers
 
 _applied = False
 
@@ -19,9 +24,6 @@ def _quiet_default_tp_group() -> None:
     rank 0. torch.compile cannot trace `warnings.warn`, so every RowParallelLinear would break
     the graph. We rebind the name in `tensor_parallel.layers` to the same lookup without the
     warning (we pass tp groups explicitly everywhere else)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import layers
-
     def default_tp_group(tp_group, is_expert=False, check_initialized=True):
         if tp_group is not None or not torch.distributed.is_initialized():
             return tp_group
@@ -69,8 +71,6 @@ def _cpu_device_for_megatron_buffers() -> None:
     sequence-parallel collectives and of the SP all-gather in its linear layers. We give
     exactly those modules a view of torch in which the current device is the CPU (torch
     itself is untouched). Applied only when CUDA is unavailable."""
-    import importlib
-
     for name in CUDA_DEVICE_MODULES:
         importlib.import_module(name).torch = _TorchOnCpu()
 
@@ -81,8 +81,6 @@ def _cpu_autocast_in_linear_backward() -> None:
     backward runs without autocast and multiplies a bf16 gradient by the fp32 weight
     ("expected m1 and m2 to have the same dtype"). We re-decorate the undecorated
     forward/backward for the CPU, which replays the forward's autocast state in backward."""
-    from megatron.core.tensor_parallel import layers
-
     fn = layers.LinearWithGradAccumulationAndAsyncCommunication
     fn.forward = staticmethod(torch.amp.custom_fwd(fn.forward.__wrapped__, device_type="cpu"))
     fn.backward = staticmethod(torch.amp.custom_bwd(fn.backward.__wrapped__, device_type="cpu"))

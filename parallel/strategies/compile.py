@@ -15,7 +15,7 @@
 
 Both refuse ZeRO-3 before launch (pretrain/config/validation.py). Tensor-parallel
 collectives (megatron-core's, through torch.distributed) split the graph where they are,
-which costs graph breaks, not correctness; parallel/megatron_compat.py removes the one
+which costs graph breaks, not correctness; parallel/primitives/megatron_compat.py removes the one
 megatron-core call that dynamo cannot trace (`warnings.warn` in RowParallelLinear).
 Compilation happens at the first step (tens of seconds on CPU with inductor).
 """

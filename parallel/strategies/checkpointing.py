@@ -28,9 +28,10 @@ and before X_j's producer's, holding nothing.
 
 A unit is a slice of the model's block program (pretrain/model/program.py): the steps of
 blocks a..b, run by the same interpreter (`ProgramRun`) as the whole forward, with the same
-connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Under pipeline
-parallelism each stage runs its own slice of the program (parallel/stage_model.py); there
-`block` with n = 1 is available and the other modes are refused by config validation.
+connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Under
+pipeline parallelism each stage runs its own slice of the program
+(parallel/strategies/stage_model.py); there `block` with n = 1 is available and the other
+modes are refused by config validation.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class ActivationCheckpointing:
     mode: str
     every: int = 1
     # When a list, each unit's (function, inputs) is appended to it: the activation-memory
-    # probe (parallel/memory_probe.py) replays units to measure their recompute working set.
+    # probe (parallel/strategies/memory_probe.py) replays units to measure their recompute
+    # working set.
     recorder: list | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

@@ -1,21 +1,21 @@
 """Memory per rank from the config alone: parameters, gradients, optimizer state, activations.
 
-    python -m parallel.memory (--config FILE | --run DIR) [--set key=value ...] [--world-size N]
-        [--json] [--inference --batch B --context T [--prompt P]]
+    python -m parallel.memory (--config FILE | --run DIR) [--set key=value ...]
+        [--world-size N] [--json] [--inference --batch B --context T [--prompt P]]
 
 Pure arithmetic (no model is built, torch is not imported), fast for the paper shapes; the
 sweep dry run (`python -m slurm sweep --dry-run`) shows its largest per-rank total.
 Which X_j the DWAs keep comes from the model config's `DWAPattern` (`stored`, `inputs`).
 For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 
-- parameters, gradients and AdamW state after ZeRO partitioning (parallel/zero.py). Without
-  ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
+- parameters, gradients and AdamW state after ZeRO partitioning (parallel/strategies/zero.py).
+  Without ZeRO: fp32 parameters and gradients (bf16 runs autocast), AdamW's two fp32 moments. With
   ZeRO (DeepSpeed): parameters and gradients in the training dtype, plus an fp32 master copy
   and the two moments, 12 bytes per element of this rank's partition. Stages 1 and 2
   partition each weight-decay group's flat buffer (padded to a multiple of 2 x DP elements);
   stage 2 also the gradients; stage 3 also the parameters (each tensor split into DP pieces).
 - activations of the micro-batches in flight (one without PP; min(PP - s, M) on pipeline
-  stage s under 1F1B), per activation-checkpointing mode (parallel/checkpointing.py):
+  stage s under 1F1B), per activation-checkpointing mode (parallel/strategies/checkpointing.py):
   the stored X_j (the DWA buffers), checkpoint boundaries (unit inputs), every block's
   internals when nothing is recomputed, the LM head (the chunked loss keeps the gradients
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
@@ -33,7 +33,7 @@ that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama 
 of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
 repeats them into, and one more tensor per RMSNorm. The LM head keeps
 Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H). Checked against
-autograd (parallel/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
+autograd (parallel/strategies/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
 the residual stream and LayerNorm inputs stay fp32 and the matmul operands are bf16; with
 DeepSpeed's bf16 everything is.
 
@@ -45,7 +45,7 @@ JSON (`--json`, stdout holds only the document):
 
 `--run DIR` reads a run directory's config.yaml instead of --config, and a null vocabulary
 from the run's tokenizer as `pretrain.load` finds it (that imports torch). `--inference`
-estimates generation instead (parallel/inference_memory.py: every rank in one TP group of
+estimates generation instead (parallel/strategies/inference_memory.py: every rank in one TP group of
 --world-size ranks, default 1): weights, KV cache, the DWA state at prefill and at decode,
 and the logits of B sequences in a context of T slots; bf16 autocast with --device cuda,
 fp32 with cpu. Its JSON:
@@ -57,19 +57,13 @@ fp32 with cpu. Its JSON:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from parallel.inference_memory import describe_inference, estimate_inference
-from parallel.plan import (
+from parallel.strategies.config import ParallelSection
+from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
-    config_parser,
-    load_run,
     micro_batch_size,
     resolved_dtype,
 )
@@ -306,7 +300,7 @@ class ActivationShape:
         return normed + stats + grad_hidden + grad_weight + ids
 
 def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[range]:
-    """Checkpoint units (parallel.checkpointing.ActivationCheckpointing.units)."""
+    """Checkpoint units (parallel.strategies.checkpointing.ActivationCheckpointing.units)."""
     blocks = blocks or range(1, n_layers + 1)
     return [range(a, min(a + every, blocks.stop)) for a in range(blocks.start, blocks.stop,
                                                                    every)]
@@ -376,18 +370,19 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
 # The estimate
 
 
-def estimate(cfg, world_size: int | None = None, device: str = "cuda",
-             model: DenseFormerConfig | None = None) -> list[RankMemory]:
-    """RankMemory of every rank of the layout (`cfg`: pretrain.config.Config; `model`: its
-    model config, built from cfg.model when not given)."""
-    p = cfg.parallel
-    if model is None:
-        model = cfg.model  # its padded_vocab_size raises naming model.vocab_size if it is null
+def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: int,
+             dtype: str = "auto", world_size: int | None = None, device: str = "cuda",
+             decay_alphas: bool = False) -> list[RankMemory]:
+    """RankMemory of every rank of the layout: `parallel` the run's parallel section, `model`
+    its model config (a null vocab_size raises naming model.vocab_size), `batch_size` and
+    `dtype` train.batch_size and train.dtype, `decay_alphas` optim.decay_alphas; train.dtype
+    auto resolves as on `device`."""
+    p = parallel
     world = world_size or p.tp * p.pp
     dp = world // (p.tp * p.pp)
-    precision = Precision.of(resolved_dtype(cfg, device), p.zero_stage, model.dwa_dtype)
+    precision = Precision.of(resolved_dtype(dtype, device), p.zero_stage, model.dwa_dtype)
     shape = ActivationShape(
-        micro_batch=micro_batch_size(cfg, world), seq=model.seq_len,
+        micro_batch=micro_batch_size(p, batch_size, world), seq=model.seq_len,
         hidden=model.d_model, heads=model.n_heads, mlp_ratio=model.mlp_ratio,
         kv_heads=model.kv_heads, ffn=model.ffn_width, llama=model.block == "llama",
         padded_vocab=model.padded_vocab_size, vocab=model.vocab_size, tp=p.tp,
@@ -408,8 +403,8 @@ def estimate(cfg, world_size: int | None = None, device: str = "cuda",
             first, last = 0 in stages, plan.n_stages - 1 in stages
             activations = pipeline_activation_terms(model, shape, mode, every, p.pp, pp_rank,
                                                     p.microbatches, plan,
-                                                    boundary_dtype_bytes(cfg, device))
-        groups = local_parameters(model, p.tp, blocks, first, last, cfg.optim.decay_alphas)
+                                                    boundary_dtype_bytes(p, dtype, device))
+        groups = local_parameters(model, p.tp, blocks, first, last, decay_alphas)
         params, grads, optimizer = state_bytes(groups, p.zero_stage, dp, precision)
         copies = autocast_weight_copies(model, p.tp, len(blocks), precision)
         working = loss_working_set(model, shape) if last else 0
@@ -430,9 +425,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:8.3f} GiB"
 
 
-def describe(cfg, ranks: list[RankMemory]) -> list[str]:
+def describe(parallel: ParallelSection, model: DenseFormerConfig,
+             ranks: list[RankMemory]) -> list[str]:
     """Human-readable lines: the layout, then one block per distinct rank."""
-    p, m = cfg.parallel, cfg.model
+    p, m = parallel, model
     arch = (f"DenseFormer {m.dwa_dilation}x{m.dwa_period}" if m.dwa else "Transformer")
     lines = [f"{m.n_layers} blocks x {m.d_model} {arch}, seq {m.seq_len}; tp {p.tp}, pp {p.pp}, "
              f"dp {len(ranks) // (p.tp * p.pp)}; ZeRO {p.zero_stage}; activation "
@@ -459,82 +455,3 @@ def describe(cfg, ranks: list[RankMemory]) -> list[str]:
             lines.append(f"  loss working set {_gib(r.loss_working_set_bytes)}")
         lines += [f"  total           {_gib(r.total_bytes)}  (largest: {name}, {share:.0%})"]
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = config_parser("python -m parallel.memory", __doc__, run_dir=True)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="what train.dtype=auto resolves to (default cuda: bf16); with "
-                             "--inference, cuda is bf16 autocast and cpu fp32")
-    parser.add_argument("--inference", action="store_true", help="generation, not training")
-    parser.add_argument("--batch", type=int, default=None, help="--inference: sequences (1)")
-    parser.add_argument("--context", type=int, default=None,
-                        help="--inference: prompt + new tokens (default model.seq_len)")
-    parser.add_argument("--prompt", type=int, default=None,
-                        help="--inference: prompt tokens of the prefill (default --context)")
-    args = parser.parse_args(argv)
-    if not args.inference and (args.batch, args.context, args.prompt) != (None,) * 3:
-        parser.error("--batch, --context and --prompt need --inference")
-    try:
-        cfg, model = _load(args)
-        if args.inference:
-            return _print_inference(args, model)
-        ranks = estimate(cfg, args.world_size, args.device, model)
-    except ValueError as err:  # ConfigError is one
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"ranks": [r.as_json() for r in ranks]}))
-    else:
-        print("\n".join(describe(cfg, ranks)))
-    return 0
-
-
-def _load(args: argparse.Namespace):
-    """(run config, DenseFormerConfig) of --config FILE or --run DIR. For --inference the
-    world size is the TP group's, not the training layout's: the config is checked without it."""
-    if args.run is None:
-        if args.inference:
-            args = argparse.Namespace(config=args.config, overrides=args.overrides)
-        return load_run(args)
-    from data_pipeline import DataError
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.config import load_config, validate
-    from pretrain.load import CONFIG_FILE, model_config, run_tokenizer
-
-    run_dir = Path(args.run)
-    try:  # as pretrain.load reads a run: generation checks only the model section
-        cfg = load_config(run_dir / CONFIG_FILE, [f"run.dir={run_dir}", *args.overrides],
-                          check=False)
-        if not args.inference:
-            validate(cfg, args.world_size)
-        vocab = cfg.model.vocab_size or run_tokenizer(run_dir, cfg).vocab_size
-    except (CheckpointError, DataError) as err:
-        raise ValueError(str(err)) from err
-    model = model_config(cfg, vocab)
-    model.validate()
-    return cfg, model
-
-
-def _print_inference(args: argparse.Namespace, model: DenseFormerConfig) -> int:
-    tp = 1 if args.world_size is None else args.world_size
-    batch = 1 if args.batch is None else args.batch
-    context = model.seq_len if args.context is None else args.context
-    prompt = context if args.prompt is None else args.prompt
-    if tp < 1:
-        raise ValueError(f"--world-size must be >= 1, got {tp}")
-    dtype = "bf16" if args.device == "cuda" else "fp32"
-    parameters = local_parameters(model, tp, range(1, model.n_layers + 1), True, True,
-                                  decay_alphas=False)
-    ranks = estimate_inference(model, parameters, tp, batch, context, prompt, dtype)
-    if args.json:
-        print(json.dumps({"inference": {"batch": batch, "context": context,
-                                        "prompt": prompt, "dtype": dtype, "tp": tp},
-                          "ranks": [r.as_json() for r in ranks]}))
-    else:
-        print("\n".join(describe_inference(model, ranks, batch, context, prompt, dtype)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ Each alpha[c, j] is applied exactly once, on the stage that first folds X_j into
 sum (a partial sum that it sends on, or Y_c itself), which need not be the stage of block c
 nor of block j. A stage's program is the model's block program (pretrain/model/program.py:
 `StageProgram`, `stage_program`, `Item`) cut to its blocks, with what crosses its boundaries
-chosen here; the same interpreter runs it (parallel/stage_model.py). Everything here is
+chosen here; the same interpreter runs it (parallel/strategies/stage_model.py). Everything here is
 plain Python.
 """
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
-from parallel import groups
-from pretrain.config import Config, ConfigError
+from parallel.primitives import groups
 
 
 @dataclass
@@ -37,25 +37,20 @@ class Layout:
         return self.rank == 0
 
 
-def setup_layout(cfg: Config) -> Layout:
-    """Initialise process groups for the configured layout (world size from the launcher)."""
-    from megatron.core import parallel_state
-
-    device = groups.default_device()
-    if cfg.train.device == "cpu":
-        device = torch.device("cpu")
-    elif cfg.train.device == "cuda" and device.type != "cuda":
-        raise ConfigError("train.device", "cuda requested but no CUDA device is available")
-    groups.ensure_initialized(tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                              timeout_s=cfg.parallel.timeout_s)
-    return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=cfg.parallel.tp,
+def setup_layout(tp: int = 1, pp: int = 1, timeout_s: int = 600,
+                 device: torch.device | None = None) -> Layout:
+    """Initialise process groups for a TP x PP layout (the world size from the launcher;
+    data parallelism takes the rest) and say where this process sits. `timeout_s` bounds
+    every collective; `device` defaults to `groups.default_device()`."""
+    groups.ensure_initialized(tp=tp, pp=pp, timeout_s=timeout_s)
+    return Layout(world=dist.get_world_size(), rank=dist.get_rank(), tp=tp,
                   tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                   tp_src=parallel_state.get_tensor_model_parallel_src_rank(),
                   tp_group=parallel_state.get_tensor_model_parallel_group(),
                   dp=parallel_state.get_data_parallel_world_size(),
                   dp_rank=parallel_state.get_data_parallel_rank(),
-                  dp_group=parallel_state.get_data_parallel_group(), device=device,
-                  pp=cfg.parallel.pp)
+                  dp_group=parallel_state.get_data_parallel_group(),
+                  device=groups.default_device() if device is None else device, pp=pp)
 
 
 def gradient_norm(model, layout: Layout) -> torch.Tensor:

@@ -35,6 +35,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.strategies.checkpointing import ActivationCheckpointing
+from pretrain.model.dwa import DWABuffers
+
 
 @dataclass
 class ActivationReport:
@@ -117,8 +120,6 @@ def model_storages(model: nn.Module) -> set[int]:
 
 def dwa_buffers_of(output: torch.Tensor) -> list:
     """The DWABuffers reachable from `output`'s autograd graph (one per forward pass)."""
-    from pretrain.model.dwa import DWABuffers
-
     found, seen, stack = {}, set(), [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -136,8 +137,6 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
                         loss_fn: Callable | None = None) -> ActivationReport:
     """Forward one micro-batch through `model.loss` (or `loss_fn(tokens, targets)`) and
     report what it keeps (no backward)."""
-    from parallel.checkpointing import ActivationCheckpointing
-
     exclude = model_storages(model)
     checkpointing = getattr(model, "activation_checkpointing", None)
     recorder: list = []
@@ -170,56 +169,3 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         stored_outputs=sum(v.shape[0] for b in buffers for v in b.values.values()),
         recompute_bytes=recompute, largest=largest,
         autocast_copy_bytes=sum(copies.values()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Measured vs estimated activation bytes of one micro-batch, per checkpointing mode."""
-    import json
-
-    from parallel.plan import config_parser, load_run, micro_batch_size
-
-    parser = config_parser(
-        "python -m parallel.memory_probe",
-        "Measure one micro-batch's activation memory (fp32, this process, no parallelism) in "
-        "each checkpointing mode and compare with the estimator.", world_size=False)
-    parser.add_argument("--modes", default="none,block,dwa_block",
-                        help="comma-separated MODE or MODE:EVERY (default none,block,dwa_block)")
-    args = parser.parse_args(argv)
-
-    from parallel.checkpointing import apply_activation_checkpointing
-    from parallel.memory import estimate
-    from pretrain.model import DenseFormer
-
-    cfg, model_cfg = load_run(args, "train.dtype=fp32")
-    model = DenseFormer(model_cfg, seed=cfg.train.seed)
-    micro_batch = micro_batch_size(cfg, 1)
-    batch = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1),
-                          generator=torch.Generator().manual_seed(0))
-    rows = []
-    for item in args.modes.split(","):
-        mode, _, every = item.partition(":")
-        every = int(every or 1)
-        cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every = mode, every
-        apply_activation_checkpointing(model, mode, every)
-        report = measure_activations(model, batch[:, :-1], batch[:, 1:])
-        estimated = estimate(cfg, 1, "cpu", model_cfg)[0].activation_bytes
-        rows.append({"mode": mode, "every": every, **report.as_dict(),
-                     "estimated_bytes": estimated})
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    m = model_cfg
-    print(f"{m.n_layers} x {m.d_model}, seq {m.seq_len}, micro-batch {micro_batch}, vocab "
-          f"{m.vocab_size}, fp32; MiB:")
-    print(f"{'mode':>14} {'autograd':>9} {'buffers':>9} {'recompute':>9} {'measured':>9} "
-          f"{'estimated':>9} {'ratio':>6}")
-    for r in rows:
-        mib = [r[k] / 2**20 for k in ("saved_bytes", "dwa_buffer_bytes", "recompute_bytes",
-                                      "total_bytes", "estimated_bytes")]
-        print(f"{r['mode'] + ':' + str(r['every']):>14} " + " ".join(f"{v:9.1f}" for v in mib)
-              + f" {r['estimated_bytes'] / r['total_bytes']:6.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """Memory of generation per rank from the model config alone: weights, KV cache, DWA state.
 
-    python -m parallel.memory --config FILE --inference --batch B --context T [--prompt P]
+    python -m parallel.memory --config FILE --inference --batch B --context T
+        [--prompt P]
 
 Pure arithmetic (torch is not imported). Generation (pretrain/generation.py) runs every rank
 as one tensor-parallel group (TP = the number of ranks; no pipeline, no data parallelism),
@@ -8,7 +9,7 @@ so all ranks hold the same amounts. For B sequences, a context of T slots (the K
 capacity: the longest prompt plus the new tokens) and a prefill over P prompt tokens
 (default T, the most a context of T allows), one rank holds:
 
-- weights: its parameters in fp32 (`parallel.memory.local_parameters` of the whole model:
+- weights: its parameters in fp32 (`parallel.strategies.memory.local_parameters` of the whole model:
   every block, the tied embedding, the final norm, the full alpha matrix). Under bf16
   autocast (generation on a GPU) also `weight_copies`: autocast casts each matmul weight
   (qkv, proj, fc_in, fc_out, and the embedding in the LM head) to bf16 once and keeps that
@@ -103,8 +104,8 @@ def estimate_inference(model: DenseFormerConfig, parameters: dict[str, list[int]
                        batch: int, context: int, prompt: int | None = None,
                        dtype: str = "bf16") -> list[InferenceMemory]:
     """InferenceMemory of each of the `tp` ranks. `parameters`: one rank's parameter element
-    counts by group, `parallel.memory.local_parameters(model, tp, every block, True, True,
-    decay_alphas=False)`: "decay" holds exactly the matmul weights that autocast copies.
+    counts by group, `parallel.strategies.memory.local_parameters(model, tp, every block, True,
+    True, decay_alphas=False)`: "decay" holds exactly the matmul weights that autocast copies.
     ValueError naming the option if a size is out of range."""
     prompt = context if prompt is None else prompt
     if tp < 1 or model.n_heads % tp or model.padded_vocab_size % tp:

@@ -1,4 +1,4 @@
-"""`train.compile: auto`: which torch.compile mode (parallel/compile.py) a run gets.
+"""`train.compile: auto`: which torch.compile mode (parallel/strategies/compile.py) a run gets.
 
 On an H200 (2026-12-04) compiling every block took our Transformer from 24% to 33% MFU at
 micro-batch 64; compiling the whole loss also fuses the embedding, the final norm and the
@@ -19,16 +19,19 @@ none, as any compiled mode is refused there (DeepSpeed gathers parameters in mod
 
 from __future__ import annotations
 
+from parallel.strategies.config import ParallelSection
+from pretrain.model.config import DenseFormerConfig
+
 AUTO = "auto"
 
 
-def compile_mode(cfg, device_type: str) -> tuple[str, str]:
-    """(mode, why) for run config `cfg` on `device_type` ("cuda" or "cpu"): train.compile
-    itself unless it is auto."""
-    setting = cfg.train.compile
+def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConfig,
+                 device_type: str) -> tuple[str, str]:
+    """(mode, why) for `setting` (train.compile) with this parallel section and model on
+    `device_type` ("cuda" or "cpu"): the setting itself unless it is auto."""
     if setting != AUTO:
         return setting, "train.compile"
-    p, m = cfg.parallel, cfg.model
+    p, m = parallel, model
     if device_type != "cuda":
         return "none", f"train.compile=auto on {device_type}"
     if p.zero_stage >= 3:

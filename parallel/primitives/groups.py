@@ -13,6 +13,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from parallel.primitives import megatron_compat
 
 
 def default_device() -> torch.device:
@@ -44,10 +48,6 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
     `timeout_s` bounds every collective of the groups created here (world and megatron-core's):
     a rank waiting longer on a stopped or dead peer raises instead of hanging.
     """
-    from megatron.core import parallel_state
-
-    from parallel import megatron_compat
-
     # Megatron's advice for overlapping TP communication with compute on GPUs; it must be
     # set before the CUDA context exists.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -77,8 +77,6 @@ def ensure_initialized(tp: int | None = None, pp: int | None = None,
 
 def allreduce_in_one_bucket(tensors: list[torch.Tensor], group, divide_by: int = 1) -> None:
     """Sum `tensors` over `group` in place (then divide) with one collective on a flat copy."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     if not tensors:
         return
     flat = _flatten_dense_tensors(tensors)
@@ -90,17 +88,14 @@ def allreduce_in_one_bucket(tensors: list[torch.Tensor], group, divide_by: int =
 
 
 def tp_group():
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_group()
 
 
 def tp_rank() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_rank()
 
 
 def tp_size() -> int:
-    from megatron.core import parallel_state
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
@@ -125,8 +120,6 @@ def peer_lost(err: BaseException, timeout_s: float) -> str | None:
 
 def destroy() -> None:
     """Tear down parallel_state and the process group (idempotent)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

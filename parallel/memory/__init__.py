@@ -1,0 +1,1 @@
+"""`python -m parallel.memory` (parallel/cli/memory.py)."""

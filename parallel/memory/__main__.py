@@ -1,0 +1,5 @@
+import sys
+
+from parallel.cli.memory import main
+
+sys.exit(main())

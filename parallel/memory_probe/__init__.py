@@ -1,0 +1,1 @@
+"""`python -m parallel.memory_probe` (parallel/cli/memory_probe.py)."""

@@ -1,0 +1,1 @@
+"""`python -m parallel.plan` (parallel/cli/plan.py)."""

@@ -1,0 +1,5 @@
+import sys
+
+from parallel.cli.plan import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""`python -m parallel.zero --build-ops` (parallel/cli/zero.py)."""

@@ -1,0 +1,5 @@
+import sys
+
+from parallel.cli.zero import main
+
+sys.exit(main())
