@@ -17,13 +17,14 @@ from pretrain.config import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_alphas: bool) -> list[dict]:
-    """Decay matrices (linear weights, embedding); never norms, biases or gains; the DWA
-    alphas only if `decay_alphas` (the paper's code does not decay them)."""
+    """Decay matrices (linear weights, embedding); never norms, biases or gains; the depth
+    connections' weights (DWA alphas, AttnRes queries and key norms) only if `decay_alphas`
+    (the DenseFormer paper's code does not decay them)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if name.endswith("dwa_alpha"):
+        if name.endswith(("dwa_alpha", "attnres_query", "attnres_key_norm")):
             (decay if decay_alphas else no_decay).append(param)
         elif param.ndim >= 2:
             decay.append(param)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -404,7 +405,10 @@ def test_reflection_finds_the_numeric_keys():
     hints = typing.get_type_hints(DenseFormerConfig)
     assert {name for section, name, *_ in NUMERIC_KEYS if section == "model"} == {
         f.name for f in dataclasses.fields(DenseFormerConfig)
-        if hints[f.name] is not bool and typing.get_origin(hints[f.name]) is not typing.Literal}
+        if hints[f.name] is not bool and not all(
+            a is type(None) or typing.get_origin(a) is typing.Literal for a in (
+                typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name])
+                in (typing.Union, types.UnionType) else (hints[f.name],)))}
 
 
 @pytest.mark.parametrize("section, name, field, kind, nullable", NUMERIC_KEYS,

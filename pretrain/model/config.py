@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pretrain.model.attnres_layout import AttnResLayout
 from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
 
 RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
@@ -108,6 +109,10 @@ class DenseFormerConfig:
     # what needs the vocabulary (padded_vocab_size, num_params, the model) refuses it.
     vocab_size: int | None = ranged(None, ge=1)
     seq_len: int = ranged(128, ge=1)
+    # The depth connection (docs/connections.md): none (a Transformer's residual stream),
+    # dwa (DenseFormer's depth weighted averages) or attnres (Attention Residuals). null:
+    # the shorthand `dwa` decides (true: dwa, false: none).
+    connection: Literal["none", "dwa", "attnres"] | None = None
     # Depth weighted averages: dilation k, period p ("k x p"); dwa=False is a plain Transformer.
     dwa: bool = True
     dwa_dilation: int = ranged(1, ge=1)
@@ -124,6 +129,9 @@ class DenseFormerConfig:
     # Who computes the DWAs (pretrain/model/dwa_impl.py): auto is the Triton kernels on a
     # CUDA device and torch elsewhere; triton needs the `triton` extra.
     dwa_impl: Literal["auto", "triton", "torch"] = "auto"
+    # Attention Residuals: null is full AttnRes (each sub-layer attends over every earlier
+    # sub-layer output); N is block AttnRes over N groups of sub-layers (N divides 2 x n_layers).
+    attnres_blocks: int | None = ranged(None, ge=1, also="divides 2 x n_layers")
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
     mlp_ratio: int = ranged(4, ge=1)
@@ -166,8 +174,20 @@ class DenseFormerConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ModelConfigError(
                 "n_heads", f"head size {self.d_model // self.n_heads} must be even for RoPE")
-        if self.dwa and self.skip_gains:
-            raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false")
+        if self.connection not in (None, *CONNECTIONS):
+            raise ModelConfigError("connection", f"must be one of {', '.join(CONNECTIONS)} (or "
+                                                 f"null), got {self.connection!r}")
+        for key, owner in CONNECTION_KEYS.items():
+            if getattr(self, key) is not None and self.depth_connection != owner:
+                raise ModelConfigError(key, f"belongs to model.connection={owner}, but the "
+                                            f"connection is {self.depth_connection}: set it to "
+                                            "null or change the connection")
+        if self.attnres_blocks is not None and (2 * self.n_layers) % self.attnres_blocks:
+            raise ModelConfigError("attnres_blocks", f"{self.attnres_blocks} blocks do not "
+                                   f"divide the {2 * self.n_layers} sub-layers (2 x n_layers)")
+        if self.skip_gains and self.depth_connection != "none":
+            raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false "
+                                                 "(or connection=none)")
         if self.dwa_dtype not in ("fp32", "bf16"):
             raise ModelConfigError("dwa_dtype", f"must be fp32 or bf16, got {self.dwa_dtype!r}")
         if self.dwa_impl not in ("auto", "triton", "torch"):
@@ -181,6 +201,35 @@ class DenseFormerConfig:
         if self.n_heads % self.kv_heads:
             raise ModelConfigError("n_kv_heads", f"{self.kv_heads} key/value heads do not "
                                                  f"divide n_heads={self.n_heads}")
+
+    @property
+    def depth_connection(self) -> str:
+        """The depth connection in force: `connection`, or the shorthand `dwa` when null."""
+        return self.connection or ("dwa" if self.dwa else "none")
+
+    @property
+    def has_dwa(self) -> bool:
+        return self.depth_connection == "dwa"
+
+    def ignored_dwa_keys(self) -> list[str]:
+        """The DWA keys set away from their defaults while another connection is in force
+        (they are ignored; the run says so in one line)."""
+        if self.depth_connection == "dwa":
+            return []
+        return [f.name for f in dataclasses.fields(self)
+                if f.name in DWA_KEYS and getattr(self, f.name) != f.default]
+
+    @property
+    def architecture(self) -> str:
+        """A short name for logs and reports: "Transformer", "DenseFormer 4x5", "AttnRes
+        block 8"."""
+        kind = self.depth_connection
+        if kind == "dwa":
+            return f"DenseFormer {self.dwa_dilation}x{self.dwa_period}"
+        if kind == "attnres":
+            n = self.attnres_blocks
+            return "AttnRes full" if n is None else f"AttnRes block {n}"
+        return "Transformer"
 
     @property
     def head_dim(self) -> int:
@@ -224,8 +273,15 @@ class DenseFormerConfig:
     def dwa_pattern(self) -> DWAPattern:
         """The DWA pattern of this shape (pretrain/model/dwa_pattern.py), one object per shape."""
         return pattern_for_shape(self.n_layers, self.dwa_dilation,
-                                 self.dwa_period if self.dwa else None, self.dwa_window,
+                                 self.dwa_period if self.has_dwa else None, self.dwa_window,
                                  self.dwa_init_offdiag)
+
+    @property
+    def attnres_layout(self) -> AttnResLayout | None:
+        """What each sub-layer of an AttnRes model reads; None under another connection."""
+        if self.depth_connection != "attnres":
+            return None
+        return AttnResLayout(self.n_layers, self.attnres_blocks)
 
     def block_matmul_params(self) -> int:
         """Weights of one block's matmuls: q, k, v, output projection and the MLP."""
@@ -242,6 +298,8 @@ class DenseFormerConfig:
             per_block += 2
         n = self.n_layers * per_block + h  # + final norm
         n += self.dwa_pattern.n_connections  # the learned alphas
+        if self.attnres_layout is not None:
+            n += self.attnres_layout.n_params(h)
         if not non_embedding:
             n += self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
@@ -251,13 +309,25 @@ class DenseFormerConfig:
 
         6 * (matmul params, LM head included) + 12 * d * seq * d_model for attention scores
         and values (nanoGPT/PaLM convention, causal mask not discounted) + 6 * d_model *
-        (number of alpha connections) for the DWAs (one multiply-add per connection).
+        (number of alpha connections) for the DWAs (one multiply-add per connection), or
+        for Attention Residuals 6 * d_model * 2 * (sources summed over consumers): a
+        multiply-add for each source's logit and one for its share of the sum.
         """
         h = self.d_model
         matmul = self.n_layers * self.block_matmul_params() + self.padded_vocab_size * h
         attention = 12.0 * self.n_layers * self.seq_len * h
-        dwa = self.dwa_pattern.n_connections * h
-        return 6.0 * matmul + attention + 6.0 * dwa
+        depth = self.dwa_pattern.n_connections * h
+        if self.attnres_layout is not None:
+            depth += 2 * self.attnres_layout.n_reads() * h
+        return 6.0 * matmul + attention + 6.0 * depth
+
+
+CONNECTIONS = ("none", "dwa", "attnres")
+# Keys of one connection that must stay null under another (the DWA's own keys predate the
+# interface and have defaults: `DWA_KEYS`, ignored with a warning instead).
+CONNECTION_KEYS = {"attnres_blocks": "attnres"}
+DWA_KEYS = ("dwa_dilation", "dwa_period", "dwa_window", "dwa_init_offdiag", "dwa_dtype",
+            "dwa_impl")
 
 
 @functools.cache

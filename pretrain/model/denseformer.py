@@ -1,4 +1,5 @@
-"""DenseFormer language model (a plain Transformer when `dwa=False`).
+"""DenseFormer language model (a plain Transformer when `dwa=False`; Attention Residuals
+when `connection=attnres`).
 
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
     logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
@@ -25,6 +26,7 @@ from torch import nn
 from parallel.primitives import groups
 from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model import lm_parts
+from pretrain.model.attnres import AttnResConnections, AttnResWeights, attnres_program
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState
@@ -69,6 +71,11 @@ class DenseFormer(nn.Module):
         self.register_buffer("dwa_mask", self.dwa_weights.new_mask(), persistent=False)
         # One full (d, d + 1) matrix whatever the layout; None when no block has a DWA.
         self.dwa_alpha = self.dwa_weights.new_parameter()
+        self.attnres_query = self.attnres_key_norm = None
+        if cfg.attnres_layout is not None:  # Attention Residuals (pretrain/model/attnres.py)
+            self.program = attnres_program(cfg.attnres_layout)
+            self.attnres_query, self.attnres_key_norm = AttnResWeights(
+                cfg.attnres_layout, cfg.d_model).new_parameters()
         # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks runs
         # the program in checkpointed units.
         self.activation_checkpointing = None
@@ -104,7 +111,11 @@ class DenseFormer(nn.Module):
                            {0: x0})
 
     def training_connections(self, like: torch.Tensor, functional: bool):
-        """The DWA state of one training forward pass (pretrain/model/dwa.py)."""
+        """The connection state of one training forward pass: the DWAs'
+        (pretrain/model/dwa.py) or Attention Residuals' (pretrain/model/attnres.py)."""
+        if self.attnres_query is not None:
+            return AttnResConnections(self.attnres_query, self.attnres_key_norm,
+                                      self.config.norm_eps)
         return training_connections(self.dwa_pattern.layout, self.dwa_alpha, like, functional,
                                     storage_dtype(self.config.dwa_dtype), self.config.dwa_impl)
 
@@ -165,6 +176,10 @@ class DenseFormer(nn.Module):
         decoding step) uses the cache's fixed `DecodeDWAState`."""
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
+        if self.attnres_query is not None:  # per token: the KV cache is all the state
+            y = run_program(self.program, self.block, self.training_connections(x0, False),
+                            {0: x0}, kv=cache.layers)
+            return self.head(y[:, -1:] if last_only else y)
         weights = self.dwa_weights.per_dwa(self.dwa_alpha)
         if tokens.shape[1] > 1 or not pattern.slot:
             dwa = PrefillDWAState(pattern, {i: w.tolist() for i, w in weights}, storage)

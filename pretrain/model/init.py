@@ -4,7 +4,8 @@ Every parameter is drawn as the FULL tensor from a generator seeded by (seed, gl
 then this rank's tensor-parallel shard is taken, so every layout (TP, PP, DP) starts from the
 single-process weights. GPT-2 init: N(0, std) for matmul weights and the embedding,
 N(0, std / sqrt(2 d)) for the residual output projections, ones for norms and gains, and the
-DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1).
+DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1);
+zeros for the Attention Residuals queries (their key norms: ones, as every norm).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def full_init_value(name: str, shape: tuple[int, ...], cfg: DenseFormerConfig, s
     """The initial value of the full parameter called `name` (a global, layout-free name)."""
     if name == "dwa_alpha":
         return torch.tensor(cfg.dwa_pattern.initial_alpha(), device="cpu")
+    if name == "attnres_query":  # uniform depth attention at init (pretrain/model/attnres.py)
+        return torch.zeros(shape)
     if name.endswith(_NORMAL):
         std = cfg.init_std
         if name.endswith(_RESIDUAL_PROJECTIONS):

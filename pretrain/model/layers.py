@@ -141,12 +141,23 @@ class Block(nn.Module):
     def attention_sublayer(self, x: torch.Tensor, kv=None) -> torch.Tensor:
         """H_i = Y_{i-1} + Attn(N(Y_{i-1})) (each term with its gain under `skip_gains`)."""
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
-        return skip + self._dropout(self.attn(self.norm_attn(x), self.rope, kv))
+        return skip + self.attention_branch(x, kv)
 
     def mlp_sublayer(self, h: torch.Tensor) -> torch.Tensor:
         """X_i = H_i + MLP(N(H_i))."""
         skip = h if self.skip_gain_mlp is None else h * self.skip_gain_mlp
-        return skip + self._dropout(self.mlp(self.norm_mlp(h)))
+        return skip + self.mlp_branch(h)
+
+    # The branches alone, for a connection that forms each sub-layer's input from earlier
+    # branch outputs (Attention Residuals, pretrain/model/attnres.py).
+
+    def attention_branch(self, x: torch.Tensor, kv=None) -> torch.Tensor:
+        """Attn(N(x)), with dropout."""
+        return self._dropout(self.attn(self.norm_attn(x), self.rope, kv))
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """MLP(N(h)), with dropout."""
+        return self._dropout(self.mlp(self.norm_mlp(h)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout.p == 0:

@@ -76,14 +76,21 @@ class Source:
 
 class Step(NamedTuple):
     """Run block `block`'s `layer` on the tensor `input` forms: the whole block (its output
-    X_i), its attention sub-layer (H_i) or its MLP sub-layer (X_i, from H_i)."""
+    X_i), its attention sub-layer (H_i) or its MLP sub-layer (X_i, from H_i); or, for a
+    connection that reads sub-layer outputs (Attention Residuals), one sub-layer's branch
+    without its skip (`attention_branch`, `mlp_branch`), whose output is X_`out`, plus
+    X_`residual` when that is set."""
 
     block: int
-    layer: Literal["block", "attention", "mlp"]
+    layer: Literal["block", "attention", "mlp", "attention_branch", "mlp_branch"]
     input: Source
+    out: int | None = None
+    residual: int | None = None
 
     @property
     def output(self) -> tuple[str, int]:
+        if self.out is not None:
+            return "x", self.out
         return ("h" if self.layer == "attention" else "x"), self.block
 
 
@@ -158,8 +165,9 @@ class StageProgram:
         peak = len(held)
         for n, step in enumerate(self.steps):
             held -= set(self.drops[n])
-            if step.output[0] == "x" and step.block in self.held:
-                held.add(step.block)
+            kind, j = step.output
+            if kind == "x" and j in self.held:
+                held.add(j)
                 peak = max(peak, len(held))
         return peak
 
@@ -304,9 +312,17 @@ class ProgramRun:
         steps = self.program.steps
         stop = len(steps) if stop is None else stop
         for n in range(start, stop):
+            step = steps[n]
+            # Read before `form` drops it: the residual is also a term of the step's input.
+            skip = None if step.residual is None else self.value(step.residual)
             y = entry if n == start and entry is not None else self.form(n)
-            self.keep(steps[n].output, self.layer(steps[n], y))
+            out = self.layer(step, y)
+            self.keep(step.output, out if skip is None else skip + out)
         return self.stream
+
+    def value(self, j: int) -> torch.Tensor:
+        """X_j: the stream when it is the latest output, else its held handle."""
+        return self.stream if self.at == ("x", j) else self.held[j]
 
     def skip(self, start: int, stop: int, stream: torch.Tensor,
              produced: Mapping[int, object]) -> None:
@@ -325,8 +341,12 @@ class ProgramRun:
             fn = block if kv is None else functools.partial(block, kv=kv)
         elif step.layer == "attention":
             fn = functools.partial(block.attention_sublayer, kv=kv)
-        else:
+        elif step.layer == "mlp":
             fn = block.mlp_sublayer
+        elif step.layer == "attention_branch":
+            fn = functools.partial(block.attention_branch, kv=kv)
+        else:
+            fn = block.mlp_branch
         return fn(y) if self.call is None else self.call(fn, y)
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
