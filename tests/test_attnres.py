@@ -30,27 +30,27 @@ def naive_logits(model: DenseFormer, tokens: torch.Tensor, n_blocks: int | None)
     v = [model.embedding(tokens)]
     queries, gains = model.attnres_query, model.attnres_key_norm
 
-    def sources(l):  # for the input of sub-layer l (l = n_sub + 1: the output)
+    def sources(c):  # for the input of sub-layer c (c = n_sub + 1: the output)
         if n_blocks is None:
-            return v[:l]
-        done = (l - 1) // size  # completed blocks
+            return v[:c]
+        done = (c - 1) // size  # completed blocks
         blocks = [v[0]] + [sum(v[1 + n * size: 1 + (n + 1) * size]) for n in range(done)]
-        partial = v[1 + done * size: l]
+        partial = v[1 + done * size: c]
         return blocks + ([sum(partial)] if partial else [])
 
-    def mix(l):
-        keys = sources(l)
+    def mix(c):
+        keys = sources(c)
         logits = []
         for k in keys:
             rms = torch.sqrt((k * k).mean(-1, keepdim=True) + cfg.norm_eps)
-            logits.append(((k / rms) * gains[l - 1] * queries[l - 1]).sum(-1))
+            logits.append(((k / rms) * gains[c - 1] * queries[c - 1]).sum(-1))
         weights = torch.softmax(torch.stack(logits), dim=0)
-        return sum(w.unsqueeze(-1) * k for w, k in zip(weights, keys))
+        return sum(w.unsqueeze(-1) * k for w, k in zip(weights, keys, strict=True))
 
-    for l in range(1, n_sub + 1):
-        block = model.blocks[(l - 1) // 2]
-        h = mix(l)
-        if l % 2:
+    for sub in range(1, n_sub + 1):
+        block = model.blocks[(sub - 1) // 2]
+        h = mix(sub)
+        if sub % 2:
             v.append(block.attn(block.norm_attn(h), block.rope))
         else:
             v.append(block.mlp(block.norm_mlp(h)))

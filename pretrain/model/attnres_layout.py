@@ -51,9 +51,9 @@ class AttnResLayout:
         """The X_j consumer c (1..L + 1) attends over."""
         return self._sources[c - 1]
 
-    def accumulates(self, l: int) -> bool:
-        """Whether X_l = X_{l-1} + v_l (l continues a group) rather than v_l."""
-        return (l - 1) % self.group != 0
+    def accumulates(self, sub: int) -> bool:
+        """Whether X_sub = X_{sub-1} + v_sub (sub-layer `sub` continues a group), not v_sub."""
+        return (sub - 1) % self.group != 0
 
     def n_reads(self) -> int:
         """Sources summed over all consumers (each read costs two multiply-adds per element:
