@@ -88,6 +88,6 @@ def init_from(engine, source: str, model_cfg, fingerprint: dict, rank: int, worl
 
     chosen, meta = agreed_on_rank0(choose, rank == 0, world)
     path = first_intact([chosen], chosen, Path(chosen).parent, rank, world)  # hashes shared
-    fill = {"dwa_alpha": identity_alpha(model_cfg)} if model_cfg.dwa else {}
+    fill = {"dwa_alpha": identity_alpha(model_cfg)} if model_cfg.has_dwa else {}
     engine.load_weights(path, checkpoint.read_manifest(path), fill=fill)
     return {"init_from": str(path.resolve()), "init_from_step": str(meta["step"])}

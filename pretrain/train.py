@@ -297,7 +297,7 @@ def _train(trainer: Trainer, stop: StopRequest | None) -> int:
     stop_at = cfg.train.stop_at or cfg.train.steps
     _print_main(layout, (
         f"run dir: {run_dir}\nmodel: {mc.n_layers} blocks x {mc.d_model}, "
-        f"{f'DenseFormer {mc.dwa_dilation}x{mc.dwa_period}' if mc.dwa else 'Transformer'}"
+        f"{mc.architecture}"
         f", {trainer.model.num_params() / 1e6:.2f}M parameters; layout {layout.name}; "
         f"device {layout.device}, {trainer.dtype}; MFU peak {peak.flops() / 1e9:.1f} GFLOP/s "
         f"({peak.source})"

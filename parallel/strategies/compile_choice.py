@@ -38,6 +38,6 @@ def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConf
         return "none", "train.compile=auto with ZeRO-3, which refuses compiled modules"
     if p.pp > 1:
         return "blocks", "train.compile=auto with pipeline stages"
-    if m.dwa:
+    if m.has_dwa:
         return "blocks", "train.compile=auto for a DenseFormer (its buffered DWAs stay eager)"
     return "model", "train.compile=auto for a Transformer without pipeline stages"

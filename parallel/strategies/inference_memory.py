@@ -140,9 +140,8 @@ def _mib(n: int) -> str:
 def describe_inference(model: DenseFormerConfig, ranks: list[InferenceMemory], batch: int,
                        context: int, prompt: int, dtype: str) -> list[str]:
     """Human-readable lines: the shape and request, then one table (every rank alike)."""
-    arch = (f"DenseFormer {model.dwa_dilation}x{model.dwa_period}"
-            + (f" (last {model.dwa_window})" if model.dwa_window else "")
-            if model.dwa else "Transformer")
+    arch = model.architecture + (f" (last {model.dwa_window})"
+                                 if model.has_dwa and model.dwa_window else "")
     r = ranks[0]
     who = f"ranks 0..{len(ranks) - 1} (one TP group, every rank alike)" if len(ranks) > 1 \
         else "rank 0"

@@ -429,7 +429,7 @@ def describe(parallel: ParallelSection, model: DenseFormerConfig,
              ranks: list[RankMemory]) -> list[str]:
     """Human-readable lines: the layout, then one block per distinct rank."""
     p, m = parallel, model
-    arch = (f"DenseFormer {m.dwa_dilation}x{m.dwa_period}" if m.dwa else "Transformer")
+    arch = m.architecture
     lines = [f"{m.n_layers} blocks x {m.d_model} {arch}, seq {m.seq_len}; tp {p.tp}, pp {p.pp}, "
              f"dp {len(ranks) // (p.tp * p.pp)}; ZeRO {p.zero_stage}; activation "
              f"checkpointing {p.activation_checkpointing} (every {p.checkpoint_every})"]

@@ -104,7 +104,7 @@ def export_hf(path: Path, out: Path) -> Path:
             groups.destroy()
     cfg = model.config
     state = {name: value.detach().float() for name, value in model.named_parameters()}
-    if cfg.block == "llama" and not cfg.dwa and not cfg.skip_gains:
+    if cfg.block == "llama" and cfg.depth_connection == "none" and not cfg.skip_gains:
         hf_model = llama_model(cfg, state, tokenizer)  # plain transformers, no remote code
     else:
         hf_model = DenseFormerForCausalLM(hf_config(cfg, tokenizer))
