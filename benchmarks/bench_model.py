@@ -7,7 +7,8 @@ step, and ratios taken within each round. Configurations, all of one shape (48 b
 seq 256, batch 4, vocabulary 8192 by default), each one full train step (forward, backward,
 AdamW) on the same tokens:
 
-- ours: `transformer`, `dense-1x1`, `dense-4x1`, `dense-4x5` (pretrain.model.DenseFormer);
+- ours: `transformer`, `dense-1x1`, `dense-4x1`, `dense-4x5` (pretrain.model.DenseFormer),
+  and the other depth connections: `attnres-full`, `attnres-block8` (Attention Residuals);
   with `--llama` also `llama-transformer`, `llama-1x1`, `llama-4x5` (Llama-style blocks,
   SwiGLU width 8/3 x width rounded to 64: about the gpt block's parameter count), whose
   ratio is also given to the llama Transformer;
@@ -47,6 +48,9 @@ from pretrain.model import DenseFormer, DenseFormerConfig  # noqa: E402
 from pretrain.model.dwa_layout import buffered_traffic  # noqa: E402
 
 PATTERNS = {"1x1": (1, 1), "4x1": (4, 1), "4x5": (4, 5)}
+# The other depth connections (docs/connections.md), same shape.
+CONNECTIONS = {"attnres-full": dict(connection="attnres"),
+               "attnres-block8": dict(connection="attnres", attnres_blocks=8)}
 LLAMA_PATTERNS = (None, "1x1", "4x5")
 LLAMA_BLOCK = dict(block="llama", ffn_multiple_of=64)
 
@@ -106,6 +110,9 @@ def train_steps(args) -> dict:
         model = DenseFormer(config(args, pattern))
         steps["transformer" if pattern is None else f"dense-{pattern}"] = (
             model.config.flops_per_token(), step_of(model, model.loss))
+    for name, connection in CONNECTIONS.items():
+        model = DenseFormer(config(args, None, **connection))
+        steps[name] = (model.config.flops_per_token(), step_of(model, model.loss))
     for pattern in LLAMA_PATTERNS if args.llama else ():
         model = DenseFormer(config(args, pattern, **LLAMA_BLOCK))
         steps[f"llama-{pattern or 'transformer'}"] = (

@@ -157,3 +157,28 @@ def test_connection_wins_over_the_dwa_shorthand():
     assert cfg.dwa_pattern.inputs == {}  # ignored
     assert cfg.ignored_dwa_keys() == ["dwa_dilation", "dwa_period"]
     assert config(None, connection="dwa").ignored_dwa_keys() == []
+
+
+def test_two_phases_by_gradcheck():
+    """Phase 1 (every consumer of a group over the completed sums) and phase 2 (one more
+    source merged into a prefix) against finite differences, and their composition
+    against the one-phase softmax."""
+    from pretrain.model.attnres_mix import group_prefix, merge_partial
+
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(2, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+          for _ in range(3)]
+    p = torch.randn(2, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    queries = torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def both(queries, p, *xs):
+        outs = []
+        for k, (o, lse) in enumerate(group_prefix(queries, list(xs), 1e-6)):
+            outs += [o, lse, merge_partial(o, lse, p, queries[k], 1e-6)]
+        return tuple(outs)
+
+    assert torch.autograd.gradcheck(both, (queries, p, *xs))
+    for k, (o, lse) in enumerate(group_prefix(queries, xs, 1e-6)):
+        torch.testing.assert_close(o.reshape(p.shape), depth_softmax(queries[k], xs, 1e-6))
+        torch.testing.assert_close(merge_partial(o, lse, p, queries[k], 1e-6),
+                                   depth_softmax(queries[k], [*xs, p], 1e-6))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pretrain.model.attnres_layout import AttnResLayout
+from pretrain.model.attnres_mix import group_prefix, merge_partial
 from pretrain.model.program import Item, Source, StageProgram, Step
 
 QUERY, KEY_NORM = "attnres_query", "attnres_key_norm"  # parameter names (init, optimizer)
@@ -45,42 +46,52 @@ class AttnResWeights:
 
 
 def _stacked(xs) -> torch.Tensor:
-    """The sources as one (n, ..., H) tensor, in fp32 at least (bf16 branch outputs under
-    autocast meet an fp32 embedding)."""
+    """The sources as one (n, T, H) tensor (T: every leading dim), in fp32 at least (bf16
+    branch outputs under autocast meet an fp32 embedding)."""
     dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs), torch.float32)
-    return torch.stack([x.to(dtype) for x in xs])
+    return torch.stack([x.to(dtype).reshape(-1, x.shape[-1]) for x in xs])
+
+
+def _logits(v: torch.Tensor, q: torch.Tensor, eps: float):
+    """(s, r): the logits r_j (q . X_j) and r_j = rsqrt(mean(X_j^2) + eps), each (n, T)."""
+    width = v.shape[-1]
+    r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / width + eps)
+    return (v @ q.to(v.dtype)) * r, r
 
 
 class _DepthSoftmax(torch.autograd.Function):
     """h = sum_j a_j X_j, a = softmax_j(r_j (q . X_j)), r_j = rsqrt(mean(X_j^2) + eps); the
-    arithmetic in fp32 (fp64 for fp64 sources), the result in the sources' dtype."""
+    arithmetic in fp32 (fp64 for fp64 sources), the result in the sources' dtype. Every
+    op reads the stacked sources whole (a matrix-vector product, a norm, one weighted sum),
+    and the backward writes the sources' gradients with in-place updates, no further
+    hidden-size temporaries."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, eps: float, *xs: torch.Tensor) -> torch.Tensor:
-        v = _stacked(xs)  # (n, ..., H), freed on return
-        r = torch.rsqrt(v.square().mean(-1) + eps)
-        s = (v @ q.to(v.dtype)) * r
+        v = _stacked(xs)  # freed on return
+        s, r = _logits(v, q, eps)
         a = torch.softmax(s, dim=0)
-        h = torch.einsum("n...,n...h->...h", a, v)
-        ctx.eps = eps
+        h = (a.unsqueeze(-1) * v).sum(0)
         ctx.save_for_backward(q, a, r, s, *xs)
-        return h.to(functools.reduce(torch.promote_types, (x.dtype for x in xs)))
+        dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs))
+        return h.to(dtype).reshape(xs[0].shape)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         q, a, r, s, *xs = ctx.saved_tensors
         v = _stacked(xs)
-        dh = dh.to(v.dtype)
-        da = torch.einsum("n...h,...h->n...", v, dh)
+        dh = dh.to(v.dtype).reshape(v.shape[1:])
+        da = torch.linalg.vecdot(v, dh)
         ds = a * (da - (a * da).sum(0, keepdim=True))
-        # d s_j / d X_j = r_j q - s_j r_j^2 X_j / H
         dsr = ds * r
-        dv = (a.unsqueeze(-1) * dh + dsr.unsqueeze(-1) * q.to(v.dtype)
-              - (dsr * s * r / v.shape[-1]).unsqueeze(-1) * v)
-        dq = torch.einsum("n...,n...h->h", dsr, v).to(q.dtype) if ctx.needs_input_grad[0] \
-            else None
-        return (dq, None, *(dv[n].to(x.dtype) if ctx.needs_input_grad[2 + n] else None
-                            for n, x in enumerate(xs)))
+        dq = None
+        if ctx.needs_input_grad[0]:
+            dq = (dsr.reshape(1, -1) @ v.reshape(-1, v.shape[-1])).reshape(q.shape).to(q.dtype)
+        # dX_j = a_j dh + ds_j (r_j q - s_j r_j^2 X_j / H), built in v's storage.
+        dv = v.mul_((dsr * s * r / -v.shape[-1]).unsqueeze(-1))
+        dv.addcmul_(a.unsqueeze(-1), dh).addcmul_(dsr.unsqueeze(-1), q.to(v.dtype))
+        return (dq, None, *(dv[n].reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[2 + n]
+                            else None for n, x in enumerate(xs)))
 
 
 def depth_softmax(query: torch.Tensor, xs: list[torch.Tensor], eps: float) -> torch.Tensor:
@@ -91,29 +102,46 @@ def depth_softmax(query: torch.Tensor, xs: list[torch.Tensor], eps: float) -> to
 def depth_weights(query: torch.Tensor, xs: list[torch.Tensor], eps: float) -> torch.Tensor:
     """The softmax weights a_j of `depth_softmax` (n, ...), for analysis (no gradient)."""
     with torch.no_grad():
-        v = _stacked(xs)
-        r = torch.rsqrt(v.square().mean(-1) + eps)
-        return torch.softmax((v @ query.to(v.dtype)) * r, dim=0)
+        s, _ = _logits(_stacked(xs), query, eps)
+        return torch.softmax(s, dim=0).reshape(len(xs), *xs[0].shape[:-1])
 
 
 class AttnResConnections:
     """The connection state of a forward pass (training or cached inference alike: the mix
     is per token, so a decoding step needs nothing from earlier tokens but the KV cache).
-    `record`: a dict that gets each consumer's weights (analysis)."""
+
+    The mix runs in two phases (pretrain/model/attnres_mix.py): when a group's last
+    completed sum X_j (j = 0 mod S) is held, the softmax over the completed sums for every
+    consumer of the next group (`prefix[j]`); each consumer then merges its own partial sum.
+    A checkpoint unit that recomputes X_j recomputes its prefix too (the unit's `hold`).
+    `record`: a dict that gets each consumer's weights over its sources (analysis)."""
 
     def __init__(self, query: torch.Tensor, key_norm: torch.Tensor, eps: float,
-                 record: dict | None = None):
+                 layout: AttnResLayout, record: dict | None = None):
         self.queries = query * key_norm  # (L + 1, H): w_c * g_c
-        self.eps, self.record = eps, record
+        self.eps, self.layout, self.record = eps, layout, record
+        self.completed: dict[int, torch.Tensor] = {}  # j -> X_j, j = 0 mod S
+        self.prefix: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size, last = self.layout.group, self.layout.n_sublayers + 1
+        if j % size == 0 and j < last:
+            self.completed[j] = x
+            consumers = slice(j, min(j + size, last))  # rows of consumers j + 1..
+            sums = [self.completed[i] for i in range(0, j + 1, size)]
+            self.prefix[j] = group_prefix(self.queries[consumers], sums, self.eps)
         return x, x
 
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
-        query = self.queries[source.index - 1]
+        c = source.index
         if self.record is not None:
-            self.record[source.index] = depth_weights(query, handles, self.eps)
-        return depth_softmax(query, handles, self.eps)
+            self.record[c] = depth_weights(self.queries[c - 1], handles, self.eps)
+        first = (c - 1) // self.layout.group * self.layout.group  # the group's X_j
+        o, lse = self.prefix[first][c - 1 - first]
+        if first == c - 1:  # no partial sum yet: the prefix is the mix
+            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
+            return o.reshape(handles[0].shape).to(dtype)
+        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
 
 
 def boundary_items(layout: AttnResLayout, b: int) -> tuple[Item, ...]:

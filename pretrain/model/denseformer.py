@@ -115,7 +115,7 @@ class DenseFormer(nn.Module):
         (pretrain/model/dwa.py) or Attention Residuals' (pretrain/model/attnres.py)."""
         if self.attnres_query is not None:
             return AttnResConnections(self.attnres_query, self.attnres_key_norm,
-                                      self.config.norm_eps)
+                                      self.config.norm_eps, self.config.attnres_layout)
         return training_connections(self.dwa_pattern.layout, self.dwa_alpha, like, functional,
                                     storage_dtype(self.config.dwa_dtype), self.config.dwa_impl)
 
