@@ -184,3 +184,15 @@ def test_inference_settings_become_the_speed_command(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(SweepError, match="inference.batch: expected a positive integer"):
         expand(path, [], out=tmp_path / "out")
+
+
+def test_architecture_shorthands_name_their_connection():
+    from slurm.sweep_axes import SweepError, parse_architecture
+
+    assert parse_architecture("attnres").overrides == {
+        "model.connection": "attnres", "model.attnres_blocks": None}
+    assert parse_architecture("attnres-block8").overrides == {
+        "model.connection": "attnres", "model.attnres_blocks": 8}
+    assert parse_architecture("denseformer-4x5").overrides["model.dwa_period"] == 5
+    with pytest.raises(SweepError, match="attnres-blockN"):
+        parse_architecture("attnres-8")
