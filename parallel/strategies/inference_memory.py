@@ -24,7 +24,7 @@ capacity: the longest prompt plus the new tokens) and a prefill over P prompt to
 - Attention Residuals (`model.connection: attnres`) keep no state between decoding steps
   (the mix is per token): in both `dwa_decode` and `dwa_prefill_peak` they count the X_j
   the block program holds at its fullest, `AttnResLayout.peak_held()` (at most 2d + 1 for
-  full AttnRes, N + 2 for N blocks), x B x d_model, over 1 token (a decoding step) or P
+  full AttnRes, N + 1 for N blocks), x B x d_model, over 1 token (a decoding step) or P
   tokens (the prefill).
 - logits: the LM head's output for the newest position, B x padded vocabulary (gathered
   over TP, so every rank holds all of it), in the matmul dtype.
