@@ -32,7 +32,8 @@ GRID_FILE = "grid.png"
 def add_parser(subparsers) -> None:
     """The `analyze` subcommand and its options."""
     parser = subparsers.add_parser("analyze", help="DWA weight heatmaps and statistics of a "
-                                   "checkpoint or of every checkpoint of a run")
+                                   "checkpoint or of every checkpoint of a run (AttnRes: "
+                                   "depth weights over a validation batch)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="run directory: every complete checkpoint, by step")
     where.add_argument("--checkpoint", help="one checkpoint, or an exported directory")
