@@ -1,4 +1,5 @@
-"""`python -m pretrain analyze`: the DWA weights of a checkpoint, or of every checkpoint of a run.
+"""`python -m pretrain analyze`: the DWA weights of a checkpoint, or of every checkpoint of a run
+(for Attention Residuals, their depth weights over a validation batch: attnres_analysis.py).
 
     python -m pretrain analyze --checkpoint runs/tiny/checkpoints/step-00000300 --out dwa/
     python -m pretrain analyze --run runs/tiny --out dwa/
@@ -31,11 +32,17 @@ GRID_FILE = "grid.png"
 def add_parser(subparsers) -> None:
     """The `analyze` subcommand and its options."""
     parser = subparsers.add_parser("analyze", help="DWA weight heatmaps and statistics of a "
-                                   "checkpoint or of every checkpoint of a run")
+                                   "checkpoint or of every checkpoint of a run (AttnRes: "
+                                   "depth weights over a validation batch)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="run directory: every complete checkpoint, by step")
     where.add_argument("--checkpoint", help="one checkpoint, or an exported directory")
     parser.add_argument("--out", required=True, help="directory to write (created)")
+    parser.add_argument("--data", help="AttnRes: the prepared dataset whose first validation "
+                                       "batch the weights are taken over (default: the run "
+                                       "config's data.path)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="AttnRes: sequences in that batch (default 8)")
 
 
 def dwa_row_stats(matrix: torch.Tensor, mask: list[list[bool]]) -> list[dict]:
@@ -129,23 +136,20 @@ def _step(path: Path) -> int | None:
     return int(checkpoint.read_manifest(path)["step"])
 
 
-def collect(args: argparse.Namespace) -> tuple[torch.nn.Module, list[tuple[int | None, Path,
-                                                                          torch.Tensor]]]:
-    """(the model, [(step, checkpoint path, alpha matrix)]) of --checkpoint or --run."""
+def collect(args: argparse.Namespace, model: torch.nn.Module
+            ) -> list[tuple[int | None, Path, torch.Tensor]]:
+    """[(step, checkpoint path, alpha matrix)] of --checkpoint or --run; `model`: the model
+    of --checkpoint or of the run's latest checkpoint."""
     # deferred: pulls in torch (slow to start, or optional)
     import torch
 
-    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
-    from pretrain.load import load_model
-
     source = Path(args.run or args.checkpoint)
-    model, _ = load_model(source, device="cpu")
     if model.dwa_alpha is None:
         raise ConfigError("--run" if args.run else "--checkpoint",
                           f"{source} is a model without DWA (model.dwa: false): no weights "
                           "to analyze")
     if args.checkpoint:
-        return model, [(_step(source), source, model.dwa_matrix())]
+        return [(_step(source), source, model.dwa_matrix())]
     found = []
     for step, path in checkpoint.list_checkpoints(source / "checkpoints"):
         try:
@@ -155,18 +159,27 @@ def collect(args: argparse.Namespace) -> tuple[torch.nn.Module, list[tuple[int |
         with torch.no_grad():
             model.dwa_alpha.copy_(alpha)
         found.append((step, path, model.dwa_matrix()))
-    return model, found
+    return found
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out."""
-    # deferred: pulls in torch (slow to start, or optional)
+    """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out (for an
+    AttnRes model: pretrain/attnres_analysis.py)."""
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from parallel.primitives import groups
     from pretrain.dwa_plots import heatmap_name, write_dwa_grid, write_dwa_heatmap
+    from pretrain.load import load_model
 
     out = Path(args.out)
+    source = Path(args.run or args.checkpoint)
     try:
-        model, found = collect(args)
+        model, _ = load_model(source, device="cpu")
+        if model.attnres_query is not None:
+            # deferred: pulls in torch (slow to start, or optional)
+            from pretrain.attnres_analysis import analyze_attnres
+
+            return analyze_attnres(args, model, source, _step)
+        found = collect(args, model)
     finally:
         groups.destroy()
     mask = model.dwa_pattern.mask()

@@ -92,8 +92,9 @@ class Trainer:
         self.layout = layout = setup_layout(p.tp, p.pp, p.timeout_s, run_device(cfg.train.device))
         self.index = check_data(cfg)
         seq_len, note = trained_seq_len(cfg, self.index)
-        if note and layout.is_main:
-            write_line(note)
+        for line in (cfg.model.ignored_dwa_note(), note):
+            if line and layout.is_main:
+                write_line(line)
         # The vocabulary (and a too long seq_len) come from the data: a resolved copy of the
         # config, not a mutation.
         model = dataclasses.replace(cfg.model.with_vocab(self.index.vocab_size), seq_len=seq_len)

@@ -117,3 +117,114 @@ def test_checkpoint_heatmap_for_the_trainer(trained_run, tmp_path):
     assert path.read_bytes()[:8] == PNG_MAGIC
     assert write_checkpoint_heatmap(trained_run / "checkpoints" / "step-00000001",
                                     pattern_for_shape(4, 1, None), tmp_path) is None
+
+
+# -- Attention Residuals: depth weights over a validation batch ------------------------------
+
+# 4 blocks, block AttnRes with 4 groups of 2 sub-layers: consumer c reads X_0, X_2, ... below
+# c and its group's partial sum X_{c-1}.
+ATTNRES_SOURCES = [[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4], [0, 2, 4, 5], [0, 2, 4, 6],
+                   [0, 2, 4, 6, 7], [0, 2, 4, 6, 8]]
+
+
+@pytest.fixture(scope="module")
+def attnres_run(tiny_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("analyze-attnres") / "run"
+    done = run(train_cmd(tiny_data, run_dir, "model.n_layers=4", "model.connection=attnres",
+                         "model.attnres_blocks=4", "train.steps=2", "optim.warmup_steps=1",
+                         "optim.lr=0.05", "data.val_batches=0", "checkpoint.every=1",
+                         "tracking.enabled=false"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.timeout(120)
+def test_analyze_attnres_checkpoint_draws_mean_and_spread(attnres_run, tmp_path):
+    step_dir = attnres_run / "checkpoints" / "step-00000002"
+    analyze("--checkpoint", step_dir, "--out", tmp_path, "--batch-size", "4")
+    assert (tmp_path / "step-00000002.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "dwa_stats.json").exists()
+    stats = json.loads((tmp_path / "attnres_stats.json").read_text())
+    assert stats["model"] == {"n_layers": 4, "attnres_blocks": 4}
+    assert stats["batch"] == {"sequences": 4, "tokens": 32}
+    assert stats["sources"] == ATTNRES_SOURCES
+    (entry,) = stats["checkpoints"]
+    assert entry["step"] == 2 and entry["heatmap"] == "step-00000002.png"
+    mean, std = entry["mean"], entry["std"]
+    for c, sources in enumerate(ATTNRES_SOURCES, start=1):
+        read = [j for j, v in enumerate(mean[c - 1]) if v is not None]
+        assert read == sources and [j for j, v in enumerate(std[c - 1]) if v is not None] \
+            == sources
+        assert sum(mean[c - 1][j] for j in read) == pytest.approx(1.0)
+        row = entry["consumers"][c - 1]
+        assert row["sources"] == sources and row["mean"] == [mean[c - 1][j] for j in read]
+        assert row["x0"] == mean[c - 1][0] and row["newest"] == mean[c - 1][sources[-1]]
+    assert entry["consumers"][0] == {"consumer": 1, "sources": [0], "mean": [1.0],
+                                     "std": [0.0], "x0": 1.0, "newest": 1.0, "max": 1.0,
+                                     "entropy": None}
+    # Trained queries: weights that differ from uniform and between tokens.
+    assert entry["summary"]["max_std"] > 1e-4
+    assert any(abs(v - 1 / len(s)) > 1e-4 for s, row in zip(ATTNRES_SOURCES, mean, strict=True)
+               for v in row if v is not None)
+
+
+@pytest.mark.timeout(120)
+def test_analyze_attnres_run_covers_every_checkpoint(attnres_run, tmp_path):
+    analyze("--run", attnres_run, "--out", tmp_path, "--batch-size", "2")
+    stats = json.loads((tmp_path / "attnres_stats.json").read_text())
+    assert [e["step"] for e in stats["checkpoints"]] == [1, 2]
+    for name in ("step-00000001.png", "step-00000002.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+    assert stats["checkpoints"][0]["mean"] != stats["checkpoints"][1]["mean"]
+
+
+def test_analyze_attnres_without_enough_data_names_the_option(attnres_run, tmp_path, capsys):
+    from pretrain.cli import main
+
+    step_dir = attnres_run / "checkpoints" / "step-00000001"
+    assert main(["analyze", "--checkpoint", str(step_dir), "--out", str(tmp_path),
+                 "--batch-size", "100000"]) == 2
+    assert capsys.readouterr().err.startswith("error: --batch-size: ")
+    assert main(["analyze", "--checkpoint", str(step_dir), "--out", str(tmp_path),
+                 "--data", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("error: --data: ")
+
+
+def test_recorded_weights_by_hand():
+    """One block of full AttnRes with random queries and key norms: the recorded weights of
+    consumers 2 (the MLP's input) and 3 (the output) from the formula, and uniform ones at
+    init."""
+    from pretrain.attnres_analysis import recorded_weights, weight_tables
+    from pretrain.model import DenseFormer, DenseFormerConfig
+
+    config = DenseFormerConfig(d_model=16, n_heads=2, vocab_size=50, seq_len=8, n_layers=1,
+                               connection="attnres", init_std=0.3)
+    model = DenseFormer(config, seed=0).eval()
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    mean, std = weight_tables(config.attnres_layout, recorded_weights(model, tokens))
+    uniform = torch.tensor([[1, torch.nan, torch.nan], [0.5, 0.5, torch.nan], [1 / 3] * 3],
+                           dtype=torch.float64)
+    torch.testing.assert_close(mean, uniform, equal_nan=True)
+    assert torch.nan_to_num(std).abs().max() < 1e-6
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        model.attnres_query.normal_(0, 1, generator=generator)
+        model.attnres_key_norm.uniform_(0.5, 1.5, generator=generator)
+    record = recorded_weights(model, tokens)
+
+    def weights(c, xs):
+        q = model.attnres_query[c - 1] * model.attnres_key_norm[c - 1]
+        logits = torch.stack([(x * q).sum(-1) / (x.square().mean(-1) + config.norm_eps).sqrt()
+                              for x in xs])
+        return torch.softmax(logits, dim=0)
+
+    with torch.no_grad():
+        block = model.block(1)
+        x0 = model.embed(tokens)
+        x1 = block.attention_branch(x0)
+        a2 = weights(2, [x0, x1])
+        x2 = block.mlp_branch(a2[0, ..., None] * x0 + a2[1, ..., None] * x1)
+        a3 = weights(3, [x0, x1, x2])
+    torch.testing.assert_close(record[2], a2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(record[3], a3, rtol=1e-5, atol=1e-6)
+    assert record[3].std(dim=(1, 2)).min() > 1e-3  # per token, not one weight for all

@@ -60,3 +60,49 @@ def test_a_missing_dataset_names_the_command_that_makes_one(tmp_path, capsys):
     assert err.splitlines()[0] == (f"error: {missing}: not a directory (expected a prepared "
                                    f"dataset): `python -m data_pipeline prepare --input FILES "
                                    f"--out {missing}` makes one"), err
+
+
+@pytest.mark.timeout(240)
+def test_ignored_dwa_keys_get_one_note_per_run(tiny_data, tmp_path):
+    """Two ranks train under AttnRes with DWA keys off their defaults: one note line, from
+    the main process; the keys at their defaults say nothing."""
+    from tests.test_train import on_ranks, run, train_cmd
+
+    note = ("note: model.dwa_dilation, model.dwa_period are ignored under "
+            "model.connection=attnres")
+    attnres = ["model.connection=attnres", "model.attnres_blocks=2", "train.steps=2",
+               "optim.warmup_steps=1",
+               "data.val_batches=0", "tracking.enabled=false", "checkpoint.every=0"]
+    done = run(on_ranks(2, train_cmd(tiny_data, tmp_path / "a", *attnres, "model.dwa_period=2",
+                                     "model.dwa_dilation=2")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if "model.dwa_" in line] == [note]
+    done = run(train_cmd(tiny_data, tmp_path / "b", *attnres))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model.dwa_" not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["plan", "memory"])
+def test_parallel_commands_note_ignored_dwa_keys_on_stderr(module, capsys):
+    import importlib
+
+    main_of = importlib.import_module(f"parallel.cli.{module}").main
+    sets = ["model.vocab_size=300", "model.connection=attnres", "model.dwa_period=2"]
+    assert main_of(["--config", "configs/tiny.yaml", "--json",
+                    *[a for s in sets for a in ("--set", s)]]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["note: model.dwa_period is ignored under "
+                                "model.connection=attnres"]
+    assert out.startswith("{")  # the JSON document alone
+
+
+@pytest.mark.parametrize("setting,key", [("model.connection=attn", "model.connection"),
+                                         ("model.attnres_blocks=5", "model.attnres_blocks")])
+@pytest.mark.parametrize("command", ["train", "config"])
+def test_bad_connection_settings_exit_2_naming_the_key(command, setting, key, tmp_path,
+                                                       capsys):
+    err = failed(capsys, command, "--config", str(ROOT / "configs/tiny.yaml"), "--set",
+                 "model.connection=attnres", "--set", setting, "--set",
+                 f"run.dir={tmp_path / 'run'}")
+    assert err.splitlines()[0].startswith(f"error: {key}: "), err
+    assert not (tmp_path / "run").exists()

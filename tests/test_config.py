@@ -357,6 +357,15 @@ def test_tiny_config():
     assert (cfg.checkpoint.every, cfg.checkpoint.keep) == (100, 2)
 
 
+def test_tiny_attnres_config():
+    """The tiny shape with block AttnRes: 12 sub-layers in 4 groups of 3, and no note (the
+    DWA keys it inherits from tiny.yaml are at their defaults)."""
+    m = load_config(REPO / "configs" / "tiny-attnres.yaml").model
+    assert m.depth_connection == "attnres" and not m.has_dwa
+    assert (m.n_layers, m.attnres_layout.blocks, m.attnres_layout.group) == (6, 4, 3)
+    assert m.architecture == "AttnRes block 4" and m.ignored_dwa_note() is None
+
+
 def test_baselines():
     base = REPO / "configs" / "baselines"
     last = load_config(base / "connect-to-last.yaml").model

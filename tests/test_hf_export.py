@@ -25,11 +25,15 @@ SHAPES = {
     "4x5": dict(n_layers=10, dwa_dilation=4, dwa_period=5),
     "skip-gains": dict(n_layers=3, dwa=False, skip_gains=True),
     "1x1-bf16-storage": dict(n_layers=4, dwa_dtype="bf16"),  # the export rounds as trained
+    "attnres-full": dict(n_layers=3, connection="attnres"),
+    "attnres-block3-llama": dict(n_layers=3, connection="attnres", attnres_blocks=3,
+                                 block="llama", n_kv_heads=2),
 }
 
 
 def trained_like(shape: str, seq_len: int = 24):
-    """A DenseFormer whose alphas and skip gains are far from their initial values."""
+    """A DenseFormer whose alphas, AttnRes weights and skip gains are far from their
+    initial values."""
     from pretrain.model import DenseFormer, DenseFormerConfig
 
     config = DenseFormerConfig(d_model=32, n_heads=4, vocab_size=VOCAB, seq_len=seq_len,
@@ -38,7 +42,7 @@ def trained_like(shape: str, seq_len: int = 24):
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name == "dwa_alpha" or "skip_gain" in name:
+            if name in ("dwa_alpha", "attnres_query", "attnres_key_norm") or "skip_gain" in name:
                 p.add_(torch.randn(p.shape, generator=generator) * 0.3)
         if model.dwa_alpha is not None:
             model.dwa_alpha.mul_(model.dwa_mask)  # entries outside the pattern stay zero

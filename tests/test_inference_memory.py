@@ -255,3 +255,85 @@ def test_cli_run_dir_reads_its_config_and_tokenizer(tiny_data, tmp_path):
     assert done.returncode == 0, done.stderr
     model = load_config(ROOT / "configs/tiny.yaml", ["model.vocab_size=512"]).model
     assert json.loads(done.stdout)["ranks"] == [estimated(model, 1, 1, 64, 64, "fp32")]
+
+
+# -- Attention Residuals: no decoding state, the program's held X_j per forward ---------------
+
+ATTNRES = {"attnres-full": dict(n_layers=3, connection="attnres"),
+           "attnres-3": dict(n_layers=3, connection="attnres", attnres_blocks=3,
+                             block="llama")}
+
+
+def measure_attnres(shape: str, batch: int, context: int, prompt: int) -> dict:
+    """As `measure`, the X_j that `ProgramRun` holds at its fullest in the prefill and in a
+    decoding step standing for the DWA states (a recording `keep` in the class's place)."""
+    from pretrain.generation import KVCache
+    from pretrain.model import DenseFormer, DenseFormerConfig
+    from pretrain.model.program import ProgramRun
+
+    peaks = []
+    original = ProgramRun.keep
+
+    def keep(self, output, value):
+        original(self, output, value)
+        peaks[-1] = max(peaks[-1], _nbytes(self.held.values()))
+
+    model = DenseFormer(DenseFormerConfig(d_model=32, n_heads=4, vocab_size=101, seq_len=24,
+                                          **ATTNRES[shape]), seed=1).eval()
+    tokens = torch.randint(0, 101, (batch, prompt + 1),
+                           generator=torch.Generator().manual_seed(0))
+    cache = KVCache(len(model.blocks), context)
+    ProgramRun.keep = keep
+    try:
+        peaks.append(0)
+        cache.positions = torch.arange(prompt).expand(batch, prompt)
+        cache.mask, cache.is_causal = None, True
+        logits = model.forward_cached(tokens[:, :prompt], cache)
+        cache.length = prompt
+        cache.positions = torch.full((batch, 1), prompt)
+        cache.mask, cache.is_causal = None, False
+        peaks.append(0)
+        model.forward_cached(tokens[:, prompt:], cache)
+    finally:
+        ProgramRun.keep = original
+    return {"weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "kv_cache_bytes": cache.nbytes, "dwa_decode_bytes": peaks[1],
+            "dwa_prefill_peak_bytes": peaks[0], "logits_bytes": _nbytes([logits])}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", list(ATTNRES))
+def test_attnres_estimate_equals_measured_bytes_fp32(shape):
+    from pretrain.model.config import DenseFormerConfig
+
+    config = DenseFormerConfig(d_model=32, n_heads=4, vocab_size=101, seq_len=24,
+                               **ATTNRES[shape])
+    measured = measure_attnres(shape, 2, 9, 6)
+    estimate = estimated(config, 1, 2, 9, 6, "fp32")
+    assert without_copies_and_totals(estimate) == measured
+    # Full AttnRes holds every X_j to the output's mix; 3 groups of 2 sub-layers the
+    # embedding and the 3 group sums (X_0, X_2, X_4, X_6) that the output's mix reads.
+    held = 2 * 3 + 1 if shape == "attnres-full" else 4
+    assert measured["dwa_decode_bytes"] == held * 2 * 32 * 4
+    assert measured["dwa_prefill_peak_bytes"] == 6 * measured["dwa_decode_bytes"]
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 6])
+def test_attnres_peak_held_is_the_programs(d):
+    from pretrain.model.attnres import attnres_program
+    from pretrain.model.attnres_layout import AttnResLayout
+
+    for blocks in [None, *(n for n in range(1, 2 * d + 1) if 2 * d % n == 0)]:
+        layout = AttnResLayout(d, blocks)
+        assert layout.peak_held() == attnres_program(layout).peak_held(), (d, blocks)
+    assert AttnResLayout(d).peak_held() == 2 * d + 1
+    assert AttnResLayout(d, 1).peak_held() == 2  # X_0 and the one running sum
+
+
+def test_cli_text_of_an_attnres_config(capsys):
+    status, out, _ = memory_cli(capsys, "--config", "configs/tiny.yaml", "--inference",
+                                "--set", "model.vocab_size=300",
+                                "--set", "model.connection=attnres",
+                                "--set", "model.attnres_blocks=2")
+    assert status == 0 and "AttnRes block 2" in out
+    assert "  AttnRes X_j, prefill " in out and "  AttnRes X_j, decode " in out

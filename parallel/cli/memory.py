@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from data_pipeline import DataError
-from parallel.cli.run_config import config_parser, load_run
+from parallel.cli.run_config import config_parser, load_run, note_ignored_keys
 from parallel.strategies import memory
 from parallel.strategies.inference_memory import describe_inference, estimate_inference
 from parallel.strategies.memory import describe, estimate, local_parameters
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch, --context and --prompt need --inference")
     try:
         cfg, model = _load(args)
+        note_ignored_keys(model)
         if args.inference:
             return _print_inference(args, model)
         ranks = estimate(cfg.parallel, model, cfg.train.batch_size, cfg.train.dtype,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from parallel.cli.run_config import config_parser, load_run
+from parallel.cli.run_config import config_parser, load_run, note_ignored_keys
 from parallel.strategies import plan as plan_module
 from parallel.strategies.plan import boundary_dtype_bytes, build_plan, micro_batch_size
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg, model = load_run(args)
+        note_ignored_keys(model)
         p = cfg.parallel
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     except ValueError as err:  # ConfigError is one

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from data_pipeline.index import read_index
@@ -42,6 +43,14 @@ def load_run(args: argparse.Namespace, *overrides: str):
         raise ConfigError("model.vocab_size", "is null and data.path has no index.json: set it "
                           "(--set model.vocab_size=N)")
     return cfg, cfg.model.with_vocab(vocab)
+
+
+def note_ignored_keys(model) -> None:
+    """Print the model's note on ignored DWA keys (if any) on stderr, which --json leaves
+    to the document on stdout."""
+    note = model.ignored_dwa_note()
+    if note:
+        print(note, file=sys.stderr)
 
 
 def _vocab_from_data(path) -> int | None:

@@ -1,4 +1,5 @@
-"""Memory of generation per rank from the model config alone: weights, KV cache, DWA state.
+"""Memory of generation per rank from the model config alone: weights, KV cache, DWA state
+(or the X_j of Attention Residuals).
 
     python -m parallel.memory --config FILE --inference --batch B --context T
         [--prompt P]
@@ -20,6 +21,11 @@ capacity: the longest prompt plus the new tokens) and a prefill over P prompt to
   dtype: fp32 also under autocast (a block output is the fp32 input plus a bf16 update).
 - dwa_prefill_peak: `PrefillDWAState` at its fullest, `prefill_peak_tensors(pattern)` x B x
   P x d_model, the same dtype. Every TP rank holds the whole residual stream.
+- Attention Residuals (`model.connection: attnres`) keep no state between decoding steps
+  (the mix is per token): in both `dwa_decode` and `dwa_prefill_peak` they count the X_j
+  the block program holds at its fullest, `AttnResLayout.peak_held()` (at most 2d + 1 for
+  full AttnRes, N + 1 for N blocks), x B x d_model, over 1 token (a decoding step) or P
+  tokens (the prefill).
 - logits: the LM head's output for the newest position, B x padded vocabulary (gathered
   over TP, so every rank holds all of it), in the matmul dtype.
 
@@ -100,6 +106,17 @@ def prefill_peak_tensors(pattern: DWAPattern) -> int:
     return model_program(pattern).peak_held()
 
 
+def held_tensors(model: DenseFormerConfig) -> tuple[int, int]:
+    """(decoding, prefill peak): how many hidden-size tensors per token and sequence the
+    depth connection holds, `len(pattern.stored)` and `prefill_peak_tensors` for the DWA,
+    the program's peak for Attention Residuals (both: no state outlives a step)."""
+    layout = model.attnres_layout
+    if layout is not None:
+        return layout.peak_held(), layout.peak_held()
+    pattern = model.dwa_pattern
+    return len(pattern.stored), prefill_peak_tensors(pattern)
+
+
 def estimate_inference(model: DenseFormerConfig, parameters: dict[str, list[int]], tp: int,
                        batch: int, context: int, prompt: int | None = None,
                        dtype: str = "bf16") -> list[InferenceMemory]:
@@ -120,15 +137,16 @@ def estimate_inference(model: DenseFormerConfig, parameters: dict[str, list[int]
     if not 1 <= prompt <= context:
         raise ValueError(f"--prompt must be in [1, --context = {context}], got {prompt}")
     bytes_ = InferencePrecision.of(dtype)
-    h, pattern = model.d_model, model.dwa_pattern
+    h = model.d_model
+    decode_tensors, prefill_tensors = held_tensors(model)
     weights = sum(sum(sizes) for sizes in parameters.values())
     kv = 2 * model.n_layers * batch * (model.kv_heads // tp) * context * model.head_dim
     per_rank = dict(
         weights_bytes=weights * bytes_.weights,
         weight_copies_bytes=sum(parameters["decay"]) * bytes_.weight_copies,
         kv_cache_bytes=kv * bytes_.matmul,
-        dwa_decode_bytes=len(pattern.stored) * batch * h * bytes_.stream,
-        dwa_prefill_peak_bytes=prefill_peak_tensors(pattern) * batch * prompt * h * bytes_.stream,
+        dwa_decode_bytes=decode_tensors * batch * h * bytes_.stream,
+        dwa_prefill_peak_bytes=prefill_tensors * batch * prompt * h * bytes_.stream,
         logits_bytes=batch * model.padded_vocab_size * bytes_.matmul)
     return [InferenceMemory(rank=rank, **per_rank) for rank in range(tp)]
 
@@ -151,9 +169,10 @@ def describe_inference(model: DenseFormerConfig, ranks: list[InferenceMemory], b
              f"  weights                {_mib(r.weights_bytes)}"]
     if r.weight_copies_bytes:
         lines.append(f"  autocast weight copies {_mib(r.weight_copies_bytes)}")
+    state = "AttnRes X_j" if model.attnres_layout is not None else "DWA state"
     lines += [f"  KV cache               {_mib(r.kv_cache_bytes)}",
-              f"  DWA state, prefill     {_mib(r.dwa_prefill_peak_bytes)}  (peak)",
-              f"  DWA state, decode      {_mib(r.dwa_decode_bytes)}",
+              f"  {state + ', prefill':<22} {_mib(r.dwa_prefill_peak_bytes)}  (peak)",
+              f"  {state + ', decode':<22} {_mib(r.dwa_decode_bytes)}",
               f"  logits                 {_mib(r.logits_bytes)}",
               f"  total at prefill       {_mib(r.prefill_total_bytes)}",
               f"  total at decode        {_mib(r.decode_total_bytes)}"]

@@ -146,6 +146,9 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
     pattern = model.dwa_pattern
     if pattern.inputs:  # every rank holds the full alpha matrix
         (decay if decay_alphas else no_decay).append(math.prod(pattern.alpha_shape))
+    if model.attnres_layout is not None:  # AttnRes queries and key norms, on every rank
+        per_matrix = model.attnres_layout.n_params(h) // 2
+        (decay if decay_alphas else no_decay).extend([per_matrix, per_matrix])
     embedding = model.padded_vocab_size * h // tp
     if first or (last and model.tie_embeddings):
         decay.append(embedding)  # the embedding (and the tied LM head)

@@ -67,6 +67,7 @@ def hf_config(model_cfg, tokenizer):
     special = {name: value for name, value in (("eos_token_id", tokenizer.eos_id),
                                                ("bos_token_id", tokenizer.bos_id))
                if value is not None}
+    layout = model_cfg.attnres_layout  # Attention Residuals: the export needs the group size
     config = DenseFormerHFConfig(
         vocab_size=model_cfg.vocab_size, padded_vocab_size=model_cfg.padded_vocab_size,
         hidden_size=model_cfg.d_model, num_hidden_layers=model_cfg.n_layers,
@@ -75,7 +76,8 @@ def hf_config(model_cfg, tokenizer):
         norm_eps=model_cfg.norm_eps, skip_gains=model_cfg.skip_gains, dwa_inputs=dwa_inputs,
         block=model_cfg.block, num_key_value_heads=model_cfg.kv_heads,
         intermediate_size=model_cfg.ffn_width, tie_embeddings=model_cfg.tie_embeddings,
-        dwa_dtype=model_cfg.dwa_dtype, use_cache=False, pad_token_id=tokenizer.eos_id, **special)
+        dwa_dtype=model_cfg.dwa_dtype, attnres_group=None if layout is None else layout.group,
+        use_cache=False, pad_token_id=tokenizer.eos_id, **special)
     config.architectures = ["DenseFormerForCausalLM"]
     config.auto_map = {"AutoConfig": "modeling_denseformer.DenseFormerHFConfig",
                        "AutoModelForCausalLM": "modeling_denseformer.DenseFormerForCausalLM"}

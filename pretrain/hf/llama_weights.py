@@ -76,9 +76,10 @@ def from_hf(hf: dict[str, torch.Tensor], cfg, hf_dir: Path) -> dict[str, torch.T
 
 
 def to_hf(ours: dict[str, torch.Tensor], cfg, trim_vocab: bool) -> dict[str, torch.Tensor]:
-    """transformers' Llama state of our llama-block state (`dwa_alpha` kept as it is); the
-    embedding and head cut to the real vocabulary if `trim_vocab`, else padded rows kept. A
-    tied head is written as `lm_head.weight` too (transformers' LlamaForCausalLM has one)."""
+    """transformers' Llama state of our llama-block state (`dwa_alpha` and the AttnRes
+    weights kept as they are); the embedding and head cut to the real vocabulary if
+    `trim_vocab`, else padded rows kept. A tied head is written as `lm_head.weight` too
+    (transformers' LlamaForCausalLM has one)."""
     rows = cfg.vocab_size if trim_vocab else cfg.padded_vocab_size
     kv, group, d = cfg.kv_heads, cfg.n_heads // cfg.kv_heads, cfg.head_dim
     embedding = ours["embedding.weight"][:rows]
@@ -93,6 +94,7 @@ def to_hf(ours: dict[str, torch.Tensor], cfg, trim_vocab: bool) -> dict[str, tor
         q, k, v = qkv[:, :group], qkv[:, group], qkv[:, group + 1]
         for name, value in zip(QKV, (q, k, v), strict=True):
             hf[prefix + name] = value.reshape(-1, value.shape[-1]).contiguous()
-    if "dwa_alpha" in ours:
-        hf["dwa_alpha"] = ours["dwa_alpha"]
+    for name in ("dwa_alpha", "attnres_query", "attnres_key_norm"):  # depth connections
+        if name in ours:
+            hf[name] = ours[name]
     return hf

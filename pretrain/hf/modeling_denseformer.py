@@ -12,6 +12,17 @@ logits = final_norm(Y_d) @ E^T (the LM head tied to the embedding). Which X_j ea
 (S_i) is written into config.json (`dwa_inputs`) by the exporter, so this file needs no
 knowledge of the k x p pattern. It holds every X_j for the whole sequence and keeps no KV
 cache: `generate` recomputes the prefix each step (`use_cache` is false in the export).
+
+With Attention Residuals (`model.connection: attnres`, config.json `attnres_group` S, the
+sub-layers per group; docs/connections.md) each block runs as its two branches, sub-layer
+l = 1..2d (2i - 1 block i's attention, 2i its MLP), v_l its branch's output alone. X_0 is the
+embedding, X_l = v_l when l opens a group ((l - 1) % S == 0), else X_{l-1} + v_l; consumer
+c = 1..2d + 1 (the last: the model output, before the final norm) reads X_j for j in
+{0, S, 2S, ... below c} and c - 1, as
+
+    h_c = sum_j a_{c,j} X_j,  a_{c,.} = softmax_j((w_c * g_c) . X_j / sqrt(mean(X_j^2) + eps))
+
+with w_c = attnres_query[c - 1], g_c = attnres_key_norm[c - 1] and eps the model's norm_eps.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ class DenseFormerHFConfig(PretrainedConfig):
                  rope_theta: float = 10000.0, norm_eps: float = 1e-5, skip_gains: bool = False,
                  dwa_inputs: list | None = None, block: str = "gpt",
                  num_key_value_heads: int | None = None, intermediate_size: int | None = None,
-                 tie_embeddings: bool = True, dwa_dtype: str = "fp32", **kwargs):
+                 tie_embeddings: bool = True, dwa_dtype: str = "fp32",
+                 attnres_group: int | None = None, **kwargs):
         self.block = block  # "gpt" (the paper's blocks) or "llama"
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.intermediate_size = intermediate_size  # llama: the SwiGLU width
@@ -50,6 +62,8 @@ class DenseFormerHFConfig(PretrainedConfig):
         # "bf16": the DWAs read each X_j but their own block's rounded to bf16 (the trained
         # model's model.dwa_dtype), summing in the stream's dtype
         self.dwa_dtype = dwa_dtype
+        # Attention Residuals: sub-layers per group (1: full AttnRes); None without them
+        self.attnres_group = attnres_group
         # transformers' own tying stays off: a tied head reads the embedding weight directly.
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
@@ -112,6 +126,12 @@ class Block(nn.Module):
         else:
             self.skip_gain_attn = self.skip_gain_mlp = None
 
+    def attention_branch(self, x, positions, mask):
+        return self.attn(self.norm_attn(x), positions, mask)
+
+    def mlp_branch(self, h):
+        return self.mlp(self.norm_mlp(h))
+
     def forward(self, x, positions, mask):
         skip = x if self.skip_gain_attn is None else x * self.skip_gain_attn
         h = skip + self.attn(self.norm_attn(x), positions, mask)
@@ -168,9 +188,15 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         self.mlp = LlamaMLP(config)
 
+    def attention_branch(self, x, positions, mask):
+        return self.self_attn(self.input_layernorm(x), positions, mask)
+
+    def mlp_branch(self, h):
+        return self.mlp(self.post_attention_layernorm(h))
+
     def forward(self, x, positions, mask):
-        h = x + self.self_attn(self.input_layernorm(x), positions, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.attention_branch(x, positions, mask)
+        return h + self.mlp_branch(h)
 
 
 class LlamaTrunk(nn.Module):
@@ -204,6 +230,11 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
         if any(js is not None for js in config.dwa_inputs):
             self.dwa_alpha = nn.Parameter(torch.zeros(config.num_hidden_layers,
                                                       config.num_hidden_layers + 1))
+        self.attnres_query = self.attnres_key_norm = None
+        if config.attnres_group is not None:  # one row per consumer 1..2d + 1
+            shape = (2 * config.num_hidden_layers + 1, d)
+            self.attnres_query = nn.Parameter(torch.zeros(shape))
+            self.attnres_key_norm = nn.Parameter(torch.ones(shape))
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -223,6 +254,42 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
             return self.model.embed_tokens, self.model.layers, self.model.norm
         return self.embedding, self.blocks, self.final_norm
 
+    def _dwa(self, x0: torch.Tensor, blocks: nn.ModuleList, positions: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """Y_d: the blocks, each followed by its DWA (if any)."""
+        xs, y = [x0], x0
+        for i, block in enumerate(blocks, start=1):
+            xs.append(block(y, positions, mask))
+            js = self.config.dwa_inputs[i - 1]
+            y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * self._stored(xs, j, i)
+                                             for j in js)
+        return y
+
+    def _attnres(self, x0: torch.Tensor, blocks: nn.ModuleList, positions: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """h_{2d+1}, the output mix of Attention Residuals (the module docstring)."""
+        group, n_sub = self.config.attnres_group, 2 * self.config.num_hidden_layers
+        queries = self.attnres_query * self.attnres_key_norm
+
+        def mix(c: int) -> torch.Tensor:
+            sources = sorted({*range(0, c, group), c - 1})
+            return self._depth_mix(queries[c - 1], [xs[j] for j in sources])
+
+        xs = [x0]
+        for sub in range(1, n_sub + 1):
+            block, h = blocks[(sub - 1) // 2], mix(sub)
+            v = block.attention_branch(h, positions, mask) if sub % 2 else block.mlp_branch(h)
+            xs.append(v if (sub - 1) % group == 0 else xs[sub - 1] + v)
+        return mix(n_sub + 1)
+
+    def _depth_mix(self, query: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+        """sum_j a_j X_j, a = softmax_j(query . X_j / rms(X_j)), in fp32 at least."""
+        dtype = torch.promote_types(xs[0].dtype, torch.float32)
+        v = torch.stack([x.to(dtype) for x in xs])
+        r = torch.rsqrt(v.square().mean(-1) + self.config.norm_eps)
+        a = torch.softmax((v @ query.to(dtype)) * r, dim=0)
+        return torch.einsum("n...,n...h->...h", a, v).to(xs[-1].dtype)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self._trunk()[0]
 
@@ -241,13 +308,11 @@ class DenseFormerForCausalLM(PreTrainedModel, GenerationMixin):
             mask = causal & keep[:, None, :]
             mask = (mask | torch.eye(s, dtype=torch.bool, device=input_ids.device))[:, None]
         embedding, blocks, final_norm = self._trunk()
-        xs = [embedding(input_ids)]
-        y = xs[0]
-        for i, block in enumerate(blocks, start=1):
-            xs.append(block(y, positions, mask))
-            js = self.config.dwa_inputs[i - 1]
-            y = xs[i] if js is None else sum(self.dwa_alpha[i - 1, j] * self._stored(xs, j, i)
-                                             for j in js)
+        x0 = embedding(input_ids)
+        if self.attnres_query is not None:
+            y = self._attnres(x0, blocks, positions, mask)
+        else:
+            y = self._dwa(x0, blocks, positions, mask)
         head = embedding.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(final_norm(y), head)[..., :self.config.vocab_size]
         loss = None

@@ -60,6 +60,20 @@ class AttnResLayout:
         its logit and its share of the weighted sum)."""
         return sum(len(js) for js in self._sources)
 
+    def peak_held(self) -> int:
+        """The most X_j a forward holds at once: X_j from the sub-layer that makes it (X_0:
+        the embedding) to its last reader, dropped as that reader's input is formed (the
+        liveness of the block program, `StageProgram.peak_held`, without building it)."""
+        last = {j: c for c in range(1, self.n_sublayers + 2) for j in self.sources(c)}
+        held = {0} & last.keys()
+        peak = len(held)
+        for c in range(1, self.n_sublayers + 1):
+            held -= {j for j in held if last[j] == c}
+            if c in last:
+                held.add(c)
+                peak = max(peak, len(held))
+        return peak
+
     def n_params(self, d_model: int) -> int:
         """A query and a key-norm weight of d_model per consumer."""
         return 2 * (self.n_sublayers + 1) * d_model

@@ -219,6 +219,15 @@ class DenseFormerConfig:
         return [f.name for f in dataclasses.fields(self)
                 if f.name in DWA_KEYS and getattr(self, f.name) != f.default]
 
+    def ignored_dwa_note(self) -> str | None:
+        """The one `note:` line a run prints when `ignored_dwa_keys()` is not empty."""
+        keys = self.ignored_dwa_keys()
+        if not keys:
+            return None
+        return (f"note: {', '.join(f'model.{key}' for key in keys)} "
+                f"{'is' if len(keys) == 1 else 'are'} ignored under "
+                f"model.connection={self.depth_connection}")
+
     @property
     def architecture(self) -> str:
         """A short name for logs and reports: "Transformer", "DenseFormer 4x5", "AttnRes
