@@ -40,7 +40,8 @@ def recorded_weights(model: torch.nn.Module, tokens: torch.Tensor) -> dict[int, 
     `tokens` (B, S), in the order of `layout.sources(c)`."""
     record: dict[int, torch.Tensor] = {}
     connections = AttnResConnections(model.attnres_query, model.attnres_key_norm,
-                                     model.config.norm_eps, record=record)
+                                     model.config.norm_eps, model.config.attnres_layout,
+                                     record=record)
     run_program(model.program, model.block, connections, {0: model.embed(tokens)})
     return record
 
