@@ -320,7 +320,7 @@ def test_attnres_estimate_equals_measured_bytes_fp32(shape):
 
 @pytest.mark.parametrize("d", [1, 2, 3, 6])
 def test_attnres_peak_held_is_the_programs(d):
-    from pretrain.model.attnres import attnres_program
+    from pretrain.model.attnres_program import attnres_program
     from pretrain.model.attnres_layout import AttnResLayout
 
     for blocks in [None, *(n for n in range(1, 2 * d + 1) if 2 * d % n == 0)]:

@@ -15,8 +15,9 @@ dot product and its RMS.
 Here: the model's parameters (`AttnResWeights`), the mix as one autograd function over the
 stacked sources (`depth_softmax`: stacks them for the forward and again for the backward,
 and saves only the sources themselves, which the program holds anyway, plus per-token
-scalars), the connection state that the block program's interpreter runs
-(`AttnResConnections`, pretrain/model/program.py), and the program of blocks first..last.
+scalars), and the connection state that the block program's interpreter runs
+(`AttnResConnections`, pretrain/model/program.py), whole or as a pipeline stage. The
+program itself and what crosses a stage boundary: attnres_program.py.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import torch
 from torch import nn
 
 from pretrain.model.attnres_layout import AttnResLayout
-from pretrain.model.attnres_mix import group_prefix, merge_partial
-from pretrain.model.program import Item, Source, StageProgram, Step
+from pretrain.model.attnres_mix import group_prefix, merge_partial, merge_states
+from pretrain.model.program import Source
 
 QUERY, KEY_NORM = "attnres_query", "attnres_key_norm"  # parameter names (init, optimizer)
 
@@ -111,85 +112,82 @@ class AttnResConnections:
     is per token, so a decoding step needs nothing from earlier tokens but the KV cache).
 
     The mix runs in two phases (pretrain/model/attnres_mix.py): when a group's last
-    completed sum X_j (j = 0 mod S) is held, the softmax over the completed sums for every
-    consumer of the next group (`prefix[j]`); each consumer then merges its own partial sum.
-    A checkpoint unit that recomputes X_j recomputes its prefix too (the unit's `hold`).
-    `record`: a dict that gets each consumer's weights over its sources (analysis)."""
+    completed sum X_j (j = 0 mod S) is held, each consumer c of the next group gets its
+    softmax state over the completed sums (`prefix[c]`: weighted mean, log-sum-exp); c then
+    merges its own partial sum. A checkpoint unit that recomputes X_j recomputes its prefixes
+    too (the unit's `hold`). `record`: a dict that gets each consumer's weights over its
+    sources (analysis).
+
+    On a pipeline stage (pretrain/model/attnres_program.py): `consumers` are the consumers it
+    forms (prefixes for others are not computed); `received[c]` is consumer c's state over
+    the completed sums before the stage, into which it merges those it makes; `sends` are
+    the consumers whose states it passes on (`attnres_state` and `attnres_lse` sources)."""
 
     def __init__(self, query: torch.Tensor, key_norm: torch.Tensor, eps: float,
-                 layout: AttnResLayout, record: dict | None = None):
+                 layout: AttnResLayout, record: dict | None = None, *,
+                 consumers: range | None = None,
+                 received: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 sends: tuple[int, ...] = ()):
         self.queries = query * key_norm  # (L + 1, H): w_c * g_c
         self.eps, self.layout, self.record = eps, layout, record
-        self.completed: dict[int, torch.Tensor] = {}  # j -> X_j, j = 0 mod S
-        self.prefix: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        last = layout.n_sublayers + 1
+        self.consumers = range(1, last + 1) if consumers is None else consumers
+        # Received as the stream's shape, kept as (T, H) and (T,) like the prefixes.
+        self.received = {c: (o.reshape(-1, o.shape[-1]), lse.reshape(-1))
+                         for c, (o, lse) in (received or {}).items()}
+        self.sends = sends
+        self.completed: dict[int, torch.Tensor] = {}  # j -> X_j, j = 0 mod S, held here
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c -> (o, lse)
+        self.sent: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The stream's shape (what a state is sent as, and a consumer's mix returned as).
+        self.shape = next(iter(received.values()))[0].shape if received else None
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         size, last = self.layout.group, self.layout.n_sublayers + 1
+        self.shape = x.shape
         if j % size == 0 and j < last:
             self.completed[j] = x
-            consumers = slice(j, min(j + size, last))  # rows of consumers j + 1..
-            sums = [self.completed[i] for i in range(0, j + 1, size)]
-            self.prefix[j] = group_prefix(self.queries[consumers], sums, self.eps)
+            # The consumers of the next group that this stage forms (a contiguous run).
+            next_group = range(j + 1, min(j + size, last) + 1)
+            mine = range(max(next_group.start, self.consumers.start),
+                         min(next_group.stop, self.consumers.stop))
+            if mine:
+                self.prefix.update(self._states(mine, list(self.completed.values())))
         return x, x
+
+    def _states(self, consumers: range, sums: list[torch.Tensor]
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{c: the state of consumer c over `sums` and its received state, if any}."""
+        rows = slice(consumers.start - 1, consumers.stop - 1)
+        states = dict(zip(consumers, group_prefix(self.queries[rows], sums, self.eps),
+                          strict=True))
+        for c, (o, lse) in states.items():
+            if c in self.received:
+                states[c] = merge_states(*self.received[c], o, lse)
+        return states
 
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
         c = source.index
+        if source.kind == "attnres_state":
+            return self._send(handles)[c][0].reshape(self.shape)
+        if source.kind == "attnres_lse":
+            return torch.stack([self.sent[c][1] for c in self.sends]).reshape(
+                len(self.sends), *self.shape[:-1])
         if self.record is not None:
             self.record[c] = depth_weights(self.queries[c - 1], handles, self.eps)
         first = (c - 1) // self.layout.group * self.layout.group  # the group's X_j
-        o, lse = self.prefix[first][c - 1 - first]
+        o, lse = self.prefix[c] if c in self.prefix else self.received[c]
         if first == c - 1:  # no partial sum yet: the prefix is the mix
-            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
-            return o.reshape(handles[0].shape).to(dtype)
+            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles), o.dtype)
+            return o.reshape(self.shape).to(dtype)
         return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
 
-
-def boundary_items(layout: AttnResLayout, b: int) -> tuple[Item, ...]:
-    """What crosses the stage boundary after block b: the X_j (j <= 2b) that a consumer
-    past it reads (block AttnRes: the completed groups' sums and the open group's partial
-    sum, at most N + 1)."""
-    last_sub = 2 * b
-    reads = {j for c in range(last_sub + 1, layout.n_sublayers + 2)
-             for j in layout.sources(c) if j <= last_sub}
-    return tuple(Item("x", j) for j in sorted(reads))
-
-
-def attnres_program(layout: AttnResLayout, first: int = 1, last: int | None = None,
-                    incoming: tuple[Item, ...] = ()) -> StageProgram:
-    """The program of blocks first..last (default: the whole model), each block run as its
-    two branches; a stage after the first starts from `incoming` (its `boundary_items`)
-    and one before the last sends its own."""
-    d = layout.n_layers
-    last = d if last is None else last
-    lo, hi = 2 * first - 1, 2 * last
-    available = {0} if first == 1 else {item.index for item in incoming}
-
-    def source(c: int) -> Source:
-        terms = layout.sources(c)
-        missing = [j for j in terms if j not in available and not lo <= j < c]
-        if missing:
-            raise ValueError(f"stage {first}..{last} needs X_{missing[0]}, which does not "
-                             "reach it")
-        return Source("attnres", c, terms=terms)
-
-    steps = []
-    for i in range(first, last + 1):
-        for sub, layer in ((2 * i - 1, "attention_branch"), (2 * i, "mlp_branch")):
-            steps.append(Step(i, layer, source(sub), out=sub,
-                              residual=sub - 1 if layout.accumulates(sub) else None))
-    if last == d:
-        outgoing, sources = (), (source(hi + 1),)
-    else:
-        outgoing = boundary_items(layout, last)
-        sources = tuple(Source("x", item.index) for item in outgoing)
-    return StageProgram(first, last, d, tuple(incoming), tuple(steps), outgoing, sources)
-
-
-def stage_programs(layout: AttnResLayout, stages: list[tuple[int, int]]) -> list[StageProgram]:
-    """One program per stage (inclusive block ranges covering 1..d, in order)."""
-    programs, incoming = [], ()
-    for first, last in stages:
-        program = attnres_program(layout, first, last, incoming)
-        programs.append(program)
-        incoming = program.outgoing
-    return programs
+    def _send(self, sums: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The states of the consumers in `sends` over every completed sum so far (`sums`,
+        those made or received raw here, and the received states), at once."""
+        if self.sent is None:
+            if sums:
+                self.sent = self._states(range(self.sends[0], self.sends[-1] + 1), sums)
+            else:  # nothing completed here: the received states pass on
+                self.sent = {c: self.received[c] for c in self.sends}
+        return self.sent

@@ -13,6 +13,10 @@ X_{(g-1)S}) and, past the group's first sub-layer, its own partial sum p. So:
    which is exact: h = w o_k + (1 - w) p, w = sigmoid(lse_k - s_p).
 
 Full AttnRes is the case S = 1: phase 1 is the whole mix and phase 2 never runs.
+
+A pipeline stage that receives consumer states (o, lse) over the sources before its
+boundary (pretrain/model/attnres_program.py) folds its own completed sums in with
+`merge_states`, the same merge over two prefixes.
 """
 
 from __future__ import annotations
@@ -134,3 +138,16 @@ def merge_partial(o: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, query: to
     of p and o promoted."""
     h = _MergePartial.apply(o, lse, p, query, eps)
     return h.to(torch.promote_types(p.dtype, o.dtype))
+
+
+def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax state over two disjoint sets of sources from each one's (weighted mean
+    (T, H), log-sum-exp (T,)): the online-softmax merge, o = o2 + w (o1 - o2) with
+    w = sigmoid(lse1 - lse2) (merge_partial's form, with a whole state in place of one
+    source), lse = logaddexp(lse1, lse2). Plain autograd ops: a pipeline stage merges each
+    received consumer state once, and the gradients flow back through both states."""
+    dtype = _compute_dtype((o1, o2))
+    lse1, lse2 = lse1.to(dtype), lse2.to(dtype)
+    w = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
+    return torch.lerp(o2.to(dtype), o1.to(dtype), w), torch.logaddexp(lse1, lse2)

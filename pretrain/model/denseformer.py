@@ -26,7 +26,8 @@ from torch import nn
 from parallel.primitives import groups
 from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model import lm_parts
-from pretrain.model.attnres import AttnResConnections, AttnResWeights, attnres_program
+from pretrain.model.attnres import AttnResConnections, AttnResWeights
+from pretrain.model.attnres_program import attnres_program
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState

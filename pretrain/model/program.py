@@ -43,15 +43,19 @@ if TYPE_CHECKING:
 
 
 class Item(NamedTuple):
-    """One hidden-size tensor crossing a stage boundary: `("x", j)` is X_j itself;
-    `("sum", c)` is the DWA after block c summed over its X_j with j <= the boundary (Y_c
-    when c is the boundary block)."""
+    """One tensor crossing a stage boundary: `("x", j)` is X_j itself; `("sum", c)` is the
+    DWA after block c summed over its X_j with j <= the boundary (Y_c when c is the boundary
+    block). Attention Residuals (pretrain/model/attnres_program.py) also send `("state", c)`,
+    consumer c's softmax-weighted mean over the sources before the boundary, and `("lse",
+    n)`, the log-sum-exps of the n states: the one tensor that is per token, not hidden-size."""
 
-    kind: Literal["x", "sum"]
+    kind: Literal["x", "sum", "state", "lse"]
     index: int
 
     def __str__(self) -> str:
-        return f"X_{self.index}" if self.kind == "x" else f"sum_{self.index}"
+        if self.kind == "x":
+            return f"X_{self.index}"
+        return f"lse[{self.index}]" if self.kind == "lse" else f"{self.kind}_{self.index}"
 
 
 @dataclass(frozen=True)
