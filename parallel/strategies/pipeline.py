@@ -12,7 +12,8 @@ One step (`train_step`): only the first stage reads the tokens and only the last
 targets; the loss is the mean of the micro-batch means, as in the single-process run (each
 micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
-exactly one stage) and the tied embedding's gradients over the embedding group (first and
+exactly one stage; likewise the AttnRes queries and key norms, whose rows each stage uses
+for the consumer states it forms) and the tied embedding's gradients over the embedding group (first and
 last stage, as in Megatron). Data-parallel averaging happens in the stage's last backward
 when the stage modules are DDP modules (`ddp_group`, parallel/strategies/ddp.py), else in the
 trainer; clipping and the optimizer step stay with the trainer.
@@ -33,7 +34,7 @@ from torch.distributed import pipelining
 from parallel.strategies import ddp
 from parallel.strategies.plan import build_plan
 from parallel.strategies.schedule import schedule_name, schedule_problem
-from parallel.strategies.stage_model import StageModel, StageModule
+from parallel.strategies.stage_model import StageModel, StageModule, boundary_dtypes
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.state import full_model_state, load_full_model_state
 
@@ -85,8 +86,9 @@ class PipelineRunner:
             self.embedding_group = ps.get_embedding_group()
             if not self.has_first:
                 setattr(self.model.embedding.weight, PIPELINE_DUPLICATE_ATTR, True)
-        if self.model.dwa_alpha is not None and self.pp_rank != 0:
-            setattr(self.model.dwa_alpha, PIPELINE_DUPLICATE_ATTR, True)
+        if self.pp_rank != 0:
+            for param in self.model.replicated_connection_parameters():
+                setattr(param, PIPELINE_DUPLICATE_ATTR, True)
         self.model.pp_group = self.pp_group  # the trainer's gradient norm sums over it
 
         # `ddp_group`: the stage module under DDP, which averages the gradients over data
@@ -118,13 +120,18 @@ class PipelineRunner:
             return (cfg.seq_len // self.seq_shards, batch, cfg.d_model)
         return (batch, cfg.seq_len, cfg.d_model)
 
+    def _boundary_meta(self, items, batch: int) -> tuple[torch.Tensor, ...]:
+        """Hidden-size tensors, and the AttnRes lse of n consumer states, (n, tokens)."""
+        hidden = self._hidden_shape(batch)
+        return tuple(_meta((item.index, *hidden[:-1]) if item.kind == "lse" else hidden, dtype)
+                     for item, dtype in zip(items, boundary_dtypes(items, self.boundary_dtype),
+                                            strict=True))
+
     def _inputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
         cfg = self.model.config
         if stage == 0:
             return (_meta((self.micro_batch, cfg.seq_len), torch.long),)
-        n = len(self.plan.programs[stage].incoming)
-        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
-                     for _ in range(n))
+        return self._boundary_meta(self.plan.programs[stage].incoming, self.micro_batch)
 
     def _outputs_meta(self, stage: int) -> tuple[torch.Tensor, ...]:
         cfg = self.model.config
@@ -132,9 +139,7 @@ class PipelineRunner:
             vocab = cfg.padded_vocab_size // self.model.tp_size
             return (_meta(self._hidden_shape(self.micro_batch), torch.float32),
                     _meta((vocab, cfg.d_model), torch.float32))
-        n = len(self.plan.programs[stage].outgoing)
-        return tuple(_meta(self._hidden_shape(self.micro_batch), self.boundary_dtype)
-                     for _ in range(n))
+        return self._boundary_meta(self.plan.programs[stage].outgoing, self.micro_batch)
 
     def describe(self) -> list[str]:
         """Log lines: schedule, stages, and the tensors and bytes crossing each boundary."""
@@ -169,13 +174,12 @@ class PipelineRunner:
         return total
 
     def reduce_pipeline_grads(self) -> None:
-        """Sum the alpha gradients over the pipeline group and the tied embedding's over the
-        first and last stage."""
-        alpha = self.model.dwa_alpha
-        if alpha is not None:
-            if alpha.grad is None:
-                alpha.grad = torch.zeros_like(alpha)
-            dist.all_reduce(alpha.grad, group=self.pp_group)
+        """Sum the depth-connection gradients (alphas, AttnRes queries and key norms) over
+        the pipeline group and the tied embedding's over the first and last stage."""
+        for param in self.model.replicated_connection_parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.pp_group)
         group = self.embedding_group
         if group is not None and group.size() > 1:
             weight = self.model.embedding.weight
@@ -209,16 +213,19 @@ class PipelineRunner:
             if s == 0:
                 out = module(tokens)
             else:
-                n = len(self.plan.programs[s].incoming)
-                state = torch.empty((n, *self._hidden_shape(tokens.shape[0])),
-                                    dtype=self.boundary_dtype, device=self.device)
-                dist.recv(state, group=self.pp_group, group_src=self.plan.rank_of_stage(s - 1))
-                out = module(*state.unbind(0))
+                state = [torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                         for meta in self._boundary_meta(self.plan.programs[s].incoming,
+                                                         tokens.shape[0])]
+                for tensor in state:
+                    dist.recv(tensor, group=self.pp_group,
+                              group_src=self.plan.rank_of_stage(s - 1))
+                out = module(*state)
             if s == n_stages - 1:
                 result = self._loss_value(out, targets)
             else:
-                dist.send(torch.stack(out).contiguous(), group=self.pp_group,
-                          group_dst=self.plan.rank_of_stage(s + 1))
+                for tensor in out:
+                    dist.send(tensor.contiguous(), group=self.pp_group,
+                              group_dst=self.plan.rank_of_stage(s + 1))
         dist.all_reduce(result, group=self.pp_group)
         return result
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from parallel.strategies import stage_state
 from parallel.strategies.config import ParallelSection
+from pretrain.model import attnres_program
 from pretrain.model.config import ConfigError, DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
@@ -133,15 +134,21 @@ class PipelinePlan:
         cfg = self.config
         per_tensor = None
         if micro_batch is not None:
-            per_tensor = micro_batch * (cfg.seq_len // seq_shards) * cfg.d_model * dtype_bytes
+            tokens = micro_batch * (cfg.seq_len // seq_shards)
+            per_tensor = tokens * cfg.d_model * dtype_bytes
         boundaries = []
         for count in self.counts:
-            entry = dict(count)
+            entry = {**count, "per_token": dict(count["per_token"])} if "per_token" in count \
+                else dict(count)
             if per_tensor is not None:
-                entry["bytes_per_microbatch"] = {mode: count[mode] * per_tensor
+                # AttnRes: the states' lse, one fp32 per consumer and token.
+                lse = {mode: count["consumers"] * tokens * FP32_BYTES if count.get(
+                    "per_token", {}).get(mode) else 0 for mode in ("raw", "optimal")}
+                entry["bytes_per_microbatch"] = {mode: count[mode] * per_tensor + lse[mode]
                                                  for mode in ("raw", "optimal")}
             boundaries.append(entry)
-        return {"stages": [list(r) for r in self.stages], "boundaries": boundaries,
+        return {"connection": cfg.depth_connection, "model": cfg.architecture,
+                "stages": [list(r) for r in self.stages], "boundaries": boundaries,
                 "pp": self.pp, "virtual_stages": self.virtual_stages,
                 "transfer": self.transfer, "micro_batch": micro_batch,
                 "seq_len": cfg.seq_len, "d_model": cfg.d_model,
@@ -155,30 +162,60 @@ class PipelinePlan:
         stages = ", ".join(f"{a}-{b}" for a, b in self.stages)
         lines = [f"pipeline: {self.pp} ranks x {self.virtual_stages} virtual stages, blocks "
                  f"{stages}; transfer {self.transfer}"]
+        if "sources" in (rep["boundaries"] or [{}])[0]:
+            lines[0] += f"; {rep['model']}"
         for entry, items in zip(rep["boundaries"], rep["items"], strict=True):
-            sent = entry[self.transfer]
+            sent = f"{entry[self.transfer]} tensors"
+            if entry.get("per_token", {}).get(self.transfer):
+                sent += f" + {entry['per_token'][self.transfer]} per-token"
             size = ""
             if "bytes_per_microbatch" in entry:
                 size = f", {entry['bytes_per_microbatch'][self.transfer] / 2**20:.2f} MiB"
-            lines.append(f"  after block {entry['after_block']}: {sent} tensors{size} per "
-                         f"micro-batch (raw {entry['raw']}, optimal {entry['optimal']}, "
-                         f"bound {entry['bound']}): {' '.join(items)}")
+            counts = f"raw {entry['raw']}, optimal {entry['optimal']}, bound {entry['bound']}"
+            if "sources" in entry:  # AttnRes
+                counts = (f"sources {entry['sources']}, consumers {entry['consumers']}, "
+                          f"{counts} = {entry['rule']}")
+            lines.append(f"  after block {entry['after_block']}: {sent}{size} per "
+                         f"micro-batch ({counts}): {' '.join(items)}")
         return lines
 
 
 def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
                split: list[int] | None = None, transfer: str = "optimal") -> PipelinePlan:
-    """The PipelinePlan of a model shape and pipeline layout (from `cfg.dwa_pattern`)."""
+    """The PipelinePlan of a model shape and pipeline layout (from `cfg.dwa_pattern`, or
+    `cfg.attnres_layout` for Attention Residuals)."""
     pattern = cfg.dwa_pattern
     stages = ranges(stage_split(cfg, pp, virtual_stages, split))
-    programs = stage_state.stage_programs(pattern, stages, transfer)
     boundaries = [last for _, last in stages[:-1]]
+    if cfg.attnres_layout is not None:
+        return _attnres_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
+    programs = stage_state.stage_programs(pattern, stages, transfer)
     raw = stage_state.boundary_states(pattern, boundaries, "raw")
     optimal = stage_state.boundary_states(pattern, boundaries, "optimal")
     counts = [{"after_block": b, "raw": len(r), "optimal": len(o),
                "bound": stage_state.lower_bound(pattern, b)}
               for b, r, o in zip(boundaries, raw, optimal, strict=True)]
     return PipelinePlan(cfg, pattern, pp, virtual_stages, transfer, stages, programs, counts)
+
+
+def _attnres_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int, transfer: str,
+                  stages: list[tuple[int, int]], boundaries: list[int]) -> PipelinePlan:
+    """The plan of an Attention Residuals model: `raw` sends the sources, `optimal` the
+    fewer of sources and consumer states (pretrain/model/attnres_program.py)."""
+    layout = cfg.attnres_layout
+    programs = attnres_program.stage_programs(layout, stages, transfer)
+    counts = []
+    for b in boundaries:
+        fewest = attnres_program.boundary_state(layout, b, "optimal")
+        sizes = attnres_program.boundary_counts(layout, b)
+        limit, rule = attnres_program.bound(layout, b)
+        counts.append({"after_block": b, "raw": sizes.sources,
+                       "optimal": attnres_program.hidden_items(fewest), "bound": limit,
+                       "rule": rule, "sources": sizes.sources, "consumers": sizes.consumers,
+                       "per_token": {"raw": 0, "optimal": len(fewest)
+                                     - attnres_program.hidden_items(fewest)}})
+    return PipelinePlan(cfg, cfg.dwa_pattern, pp, virtual_stages, transfer, stages, programs,
+                        counts)
 
 
 def resolved_dtype(dtype: str, device: str = "cuda") -> str:

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from parallel.primitives import groups
 from parallel.primitives.tensor import mark_sequence_parallel
 from pretrain.model import lm_parts
+from pretrain.model.attnres import AttnResConnections, AttnResWeights
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_layout import buffer_layout
@@ -69,6 +70,12 @@ class StageModel(nn.Module):
         self.dwa_weights = DWAWeights(self.dwa_pattern)
         self.register_buffer("dwa_mask", self.dwa_weights.new_mask(), persistent=False)
         self.dwa_alpha = self.dwa_weights.new_parameter()
+        # Attention Residuals: every consumer's query and key norm on every rank (a stage
+        # reads its consumers' rows; the pipeline sums the gradients, as for the alphas).
+        self.attnres_query = self.attnres_key_norm = None
+        if cfg.attnres_layout is not None:
+            self.attnres_query, self.attnres_key_norm = AttnResWeights(
+                cfg.attnres_layout, cfg.d_model).new_parameters()
         mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
@@ -106,6 +113,13 @@ class StageModel(nn.Module):
         """Block i (numbered from 1, as in docs/design.md)."""
         return self.blocks[str(i - 1)]
 
+    def replicated_connection_parameters(self) -> list[nn.Parameter]:
+        """The depth-connection weights every rank holds whole and each stage uses in part
+        (the alpha matrix, the AttnRes queries and key norms): the pipeline sums their
+        gradients over its group."""
+        return [p for p in (self.dwa_alpha, self.attnres_query, self.attnres_key_norm)
+                if p is not None]
+
 
 class StageModule(nn.Module):
     """One (virtual) pipeline stage over a StageModel's parameters."""
@@ -129,16 +143,23 @@ class StageModule(nn.Module):
             x[0] = model.embed(received[0])
         else:
             # Back to the residual stream's dtype (the parameters': fp32 under autocast, bf16
-            # in DeepSpeed's bf16 module) on receipt, so that only the boundary rounds.
+            # in DeepSpeed's bf16 module) on receipt, so that only the boundary rounds; the
+            # AttnRes lse stays as it came (fp32).
             stream = next(model.parameters()).dtype
-            received = tuple(t.to(stream) for t in received)
+            received = tuple(t if item.kind == "lse" else t.to(stream)
+                             for item, t in zip(program.incoming, received, strict=True))
             for item, tensor in zip(program.incoming, received, strict=True):
-                (x if item.kind == "x" else sums)[item.index] = tensor
-        connections = training_connections(
-            self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),
-            torch.compiler.is_compiling(), storage_dtype(model.config.dwa_dtype),
-            model.config.dwa_impl)
-        out = run_program(program, model.block, connections, x, sums,
+                if item.kind in ("x", "sum"):
+                    (x if item.kind == "x" else sums)[item.index] = tensor
+        if model.attnres_query is not None:
+            connections = self._attnres_connections(dict(zip(program.incoming, received)))
+        else:
+            connections = training_connections(
+                self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),
+                torch.compiler.is_compiling(), storage_dtype(model.config.dwa_dtype),
+                model.config.dwa_impl)
+        out = run_program(program, model.block, connections, x,
+                          None if model.attnres_query is not None else sums,
                           call=_checkpointed if self.activation_checkpointing else None)
         if program.is_last:  # (B, S, H), or (S / TP, B, H) under sequence parallelism
             # The weight as a view: the schedule detaches the last stage's outputs in place
@@ -147,8 +168,33 @@ class StageModule(nn.Module):
             return model.final_norm(out), weight.view_as(weight)
         # A tensor passed on unchanged gets its own autograd node, so that the schedule's
         # backward sees an output distinct from its input.
-        return tuple(t.to(self.boundary_dtype) if t.dtype != self.boundary_dtype
-                     else t.view_as(t) if any(t is r for r in received) else t for t in out)
+        return tuple(t.view_as(t) if any(t is r for r in received) else t
+                     for t in (t.to(dtype) for t, dtype in zip(
+                         out, boundary_dtypes(program.outgoing, self.boundary_dtype),
+                         strict=True)))
+
+    def _attnres_connections(self, received: dict) -> AttnResConnections:
+        """The AttnRes state of this stage: its consumers, the consumer states it receives
+        (`("state", c)` items with one `("lse", n)`) and the consumers whose states it sends."""
+        program, model = self.program, self.model
+        states = {item.index: tensor for item, tensor in received.items()
+                  if item.kind == "state"}
+        lse = next((tensor for item, tensor in received.items() if item.kind == "lse"), None)
+        if lse is not None:
+            states = {c: (o, part) for (c, o), part in zip(states.items(), lse.unbind(0),
+                                                            strict=True)}
+        last = 2 * program.last + (2 if program.is_last else 1)
+        return AttnResConnections(
+            model.attnres_query, model.attnres_key_norm, model.config.norm_eps,
+            model.config.attnres_layout, consumers=range(2 * program.first - 1, last),
+            received=states,
+            sends=tuple(item.index for item in program.outgoing if item.kind == "state"))
+
+
+def boundary_dtypes(items, dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtype each item crosses a boundary in: `dtype` (parallel.pipeline_dtype), fp32
+    for the per-token AttnRes lse (it enters an exponential; it is small)."""
+    return [torch.float32 if item.kind == "lse" else dtype for item in items]
 
 
 def _checkpointed(layer, y: torch.Tensor) -> torch.Tensor:
