@@ -169,7 +169,8 @@ class AttnResConnections:
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
         c = source.index
         if source.kind == "attnres_state":
-            return self._send(handles)[c][0].reshape(self.shape)
+            # Contiguous to be sent (a prefix's o is a view across the consumers).
+            return self._send(handles)[c][0].reshape(self.shape).contiguous()
         if source.kind == "attnres_lse":
             return torch.stack([self.sent[c][1] for c in self.sends]).reshape(
                 len(self.sends), *self.shape[:-1])
