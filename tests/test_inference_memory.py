@@ -320,8 +320,8 @@ def test_attnres_estimate_equals_measured_bytes_fp32(shape):
 
 @pytest.mark.parametrize("d", [1, 2, 3, 6])
 def test_attnres_peak_held_is_the_programs(d):
-    from pretrain.model.attnres_program import attnres_program
     from pretrain.model.attnres_layout import AttnResLayout
+    from pretrain.model.attnres_program import attnres_program
 
     for blocks in [None, *(n for n in range(1, 2 * d + 1) if 2 * d % n == 0)]:
         layout = AttnResLayout(d, blocks)

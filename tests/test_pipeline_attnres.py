@@ -101,7 +101,7 @@ def test_states_follow_raw_sources_never_back():
 
 def test_boundary_state_examples():
     from pretrain.model.attnres_layout import AttnResLayout
-    from pretrain.model.attnres_program import boundary_state, bound
+    from pretrain.model.attnres_program import bound, boundary_state
 
     names = lambda items: [str(item) for item in items]  # noqa: E731
     full = AttnResLayout(4)  # 8 sub-layers, 9 consumers
@@ -219,7 +219,8 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", ["raw", "optimal"])
-def test_stages_chained_in_one_process_equal_the_model(name, mode):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing):
     from parallel.strategies.plan import build_plan
     from parallel.strategies.stage_model import StageModel, StageModule
     from pretrain.model.state import load_full_model_state
@@ -232,7 +233,7 @@ def test_stages_chained_in_one_process_equal_the_model(name, mode):
         plan = build_plan(cfg, len(split), split=split, transfer=mode)
         model = StageModel(cfg, plan.programs, seed=1)
         load_full_model_state(model, state)
-        stages = [StageModule(model, program) for program in plan.programs]
+        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
         out = stages[0](tokens[:, :-1])
         for stage, program in zip(stages[1:], plan.programs[1:], strict=True):
             assert len(out) == len(program.incoming)
@@ -351,3 +352,29 @@ def test_attnres_pipeline_exhaustive(layout):
     pp, virtual, _ = LAYOUTS[layout]
     counts = [m for m in range(1, 7) if schedule_problem(pp, virtual, m) is None]
     run_layout(layout, [(list(MODELS), ["raw", "optimal"], counts)], timeout_s=3500)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cli_attnres_pp2_matches_pp1(tiny_data, tmp_path):
+    """The trainer end to end: per-step loss and gradient norm (the queries and key norms
+    counted once) of full and block AttnRes at PP=2, with consumer states crossing."""
+    from tests.test_pipeline_cli import records
+    from tests.test_train import on_ranks, run, train_cmd
+
+    for blocks in ("null", "4"):
+        common = ["train.steps=3", "model.n_layers=4", "parallel.microbatches=2",
+                  "tracking.enabled=false", "model.connection=attnres",
+                  f"model.attnres_blocks={blocks}"]
+        one = run(train_cmd(tiny_data, tmp_path / f"pp1-{blocks}", *common))
+        assert one.returncode == 0, one.stderr
+        cmd = train_cmd(tiny_data, tmp_path / f"pp2-{blocks}", *common, "parallel.pp=2",
+                        "parallel.pp_split=[3,1]")
+        two = run(on_ranks(2, cmd))
+        assert two.returncode == 0, two.stderr
+        assert "state_7 state_8 state_9 lse[3]" in two.stderr
+        a, b = records(tmp_path / f"pp1-{blocks}"), records(tmp_path / f"pp2-{blocks}")
+        assert a.keys() == b.keys() == {1, 2, 3}
+        for step in a:
+            assert abs(a[step]["loss"] - b[step]["loss"]) < 1e-4, (blocks, step)
+            assert abs(a[step]["grad_norm"] - b[step]["grad_norm"]) < 1e-4 * a[step]["grad_norm"]

@@ -13,10 +13,11 @@ targets; the loss is the mean of the micro-batch means, as in the single-process
 micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage; likewise the AttnRes queries and key norms, whose rows each stage uses
-for the consumer states it forms) and the tied embedding's gradients over the embedding group (first and
-last stage, as in Megatron). Data-parallel averaging happens in the stage's last backward
-when the stage modules are DDP modules (`ddp_group`, parallel/strategies/ddp.py), else in the
-trainer; clipping and the optimizer step stay with the trainer.
+for the consumer states it forms) and the tied embedding's gradients over the embedding
+group (first and last stage, as in Megatron). Data-parallel averaging happens in the stage's
+last backward when the stage modules are DDP modules (`ddp_group`,
+parallel/strategies/ddp.py), else in the trainer; clipping and the optimizer step stay with
+the trainer.
 
 Pitfalls of torch.distributed.pipelining (2.13) handled here: declared shapes must be
 `requires_grad=True` meta tensors for activations (plain ones fail in backward) and are not

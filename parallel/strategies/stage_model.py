@@ -139,6 +139,7 @@ class StageModule(nn.Module):
         program, model = self.program, self.model
         x: dict[int, torch.Tensor] = {}
         sums: dict[int, torch.Tensor] = {}
+        incoming = {}  # Item -> the tensor received
         if program.is_first:
             x[0] = model.embed(received[0])
         else:
@@ -148,11 +149,12 @@ class StageModule(nn.Module):
             stream = next(model.parameters()).dtype
             received = tuple(t if item.kind == "lse" else t.to(stream)
                              for item, t in zip(program.incoming, received, strict=True))
-            for item, tensor in zip(program.incoming, received, strict=True):
+            incoming = dict(zip(program.incoming, received, strict=True))
+            for item, tensor in incoming.items():
                 if item.kind in ("x", "sum"):
                     (x if item.kind == "x" else sums)[item.index] = tensor
         if model.attnres_query is not None:
-            connections = self._attnres_connections(dict(zip(program.incoming, received)))
+            connections = self._attnres_connections(incoming)
         else:
             connections = training_connections(
                 self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),
