@@ -11,7 +11,15 @@ stdout carries only the JSON document:
 
     {"stages": [[first_block, last_block], ...],
      "boundaries": [{"after_block": b, "raw": n, "optimal": n, "bound": n,
-                     "bytes_per_microbatch": {"raw": x, "optimal": y}}, ...], ...}
+                     "bytes_per_microbatch": {"raw": x, "optimal": y}}, ...],
+     ..., "connection": "dwa", "model": "DenseFormer 1x1", ...}
+
+For Attention Residuals (`model.connection: attnres`) `raw` counts the sources (the X_j a
+later consumer reads) and `optimal` the hidden-size tensors sent, the fewer of the sources
+and the consumer states (pretrain/model/attnres_program.py); each boundary also gives
+"sources", "consumers", "rule" (how "bound" is reached: min(sources, consumers) for full
+AttnRes, N + 1 block sums for block AttnRes) and "per_token": {"raw": 0, "optimal": 0 or 1},
+the (consumers, tokens) fp32 lse that crosses with the states (in the bytes too).
 
 Partitioning (`stage_split`): an explicit `parallel.pp_split` (blocks per stage, in stage
 order), or a balanced split that minimises the largest stage cost, then the spread. A block
@@ -114,7 +122,9 @@ class PipelinePlan:
     transfer: str
     stages: list[tuple[int, int]]
     programs: list  # StageProgram per stage
-    counts: list[dict[str, int]]  # per boundary: {"after_block", "raw", "optimal", "bound"}
+    # Per boundary: {"after_block", "raw", "optimal", "bound"}; for AttnRes also "rule",
+    # "sources", "consumers" and "per_token" ({mode: tensors that are per token, the lse}).
+    counts: list[dict]
 
     @property
     def n_stages(self) -> int:
@@ -147,10 +157,10 @@ class PipelinePlan:
                 entry["bytes_per_microbatch"] = {mode: count[mode] * per_tensor + lse[mode]
                                                  for mode in ("raw", "optimal")}
             boundaries.append(entry)
-        return {"connection": cfg.depth_connection, "model": cfg.architecture,
-                "stages": [list(r) for r in self.stages], "boundaries": boundaries,
+        return {"stages": [list(r) for r in self.stages], "boundaries": boundaries,
                 "pp": self.pp, "virtual_stages": self.virtual_stages,
-                "transfer": self.transfer, "micro_batch": micro_batch,
+                "transfer": self.transfer, "connection": cfg.depth_connection,
+                "model": cfg.architecture, "micro_batch": micro_batch,
                 "seq_len": cfg.seq_len, "d_model": cfg.d_model,
                 "dtype_bytes": dtype_bytes,
                 "items": [[str(item) for item in p.outgoing] for p in self.programs[:-1]]}
