@@ -394,3 +394,33 @@ def test_cli_attnres_pp2_matches_pp1(tiny_data, tmp_path):
         for step in a:
             assert abs(a[step]["loss"] - b[step]["loss"]) < 1e-4, (blocks, step)
             assert abs(a[step]["grad_norm"] - b[step]["grad_norm"]) < 1e-4 * a[step]["grad_norm"]
+
+
+def test_bf16_boundaries_send_the_lse_in_fp32():
+    """Under bf16 autocast with bf16 boundaries (parallel.pipeline_dtype compute) the states'
+    o cross in bf16 and their lse in fp32. The mix's matrix products run in bf16 under
+    autocast, in one process too, so a softmax split at the boundary and merged rounds
+    otherwise: the loss to 1e-4 relative of one process's, with either boundary dtype
+    (measured 2e-5)."""
+    from parallel.strategies.plan import build_plan
+    from parallel.strategies.stage_model import StageModel, StageModule
+    from pretrain.model import DenseFormer
+    from pretrain.model.state import load_full_model_state
+
+    state, tokens, _, _ = reference("block-6x4", 4, 1)
+    cfg = attnres_config("block-6x4")
+    one = DenseFormer(cfg)
+    load_full_model_state(one, state)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = one.loss(tokens[:, :-1], tokens[:, 1:]).item()
+    plan = build_plan(cfg, 2, split=[5, 1])
+    model = StageModel(cfg, plan.programs)
+    load_full_model_state(model, state)
+    for dtype in (torch.float32, torch.bfloat16):
+        first, last = (StageModule(model, p, boundary_dtype=dtype) for p in plan.programs)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            sent = first(tokens[:, :-1])
+            assert [t.dtype for t in sent] == [dtype] * 4 + [torch.float32]
+            assert sent[-1].shape == (3, 4, SHAPE["seq_len"])
+            loss = model.head_loss(*last(*sent), tokens[:, 1:]).item()
+        assert loss == pytest.approx(ref, rel=1e-4), dtype

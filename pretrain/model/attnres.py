@@ -179,7 +179,10 @@ class AttnResConnections:
         first = (c - 1) // self.layout.group * self.layout.group  # the group's X_j
         o, lse = self.prefix[c] if c in self.prefix else self.received[c]
         if first == c - 1:  # no partial sum yet: the prefix is the mix
-            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles), o.dtype)
+            # In the sources' dtype; X_0 (a source of every consumer) has the parameters',
+            # which stands in for it on a stage that received it folded into a state.
+            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
+                                     self.queries.dtype)
             return o.reshape(self.shape).to(dtype)
         return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
 
