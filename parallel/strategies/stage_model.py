@@ -185,10 +185,9 @@ class StageModule(nn.Module):
         if lse is not None:
             states = {c: (o, part) for (c, o), part in zip(states.items(), lse.unbind(0),
                                                             strict=True)}
-        last = 2 * program.last + (2 if program.is_last else 1)
         return AttnResConnections(
             model.attnres_query, model.attnres_key_norm, model.config.norm_eps,
-            model.config.attnres_layout, consumers=range(2 * program.first - 1, last),
+            model.config.attnres_layout, last=2 * program.last + int(program.is_last),
             received=states,
             sends=tuple(item.index for item in program.outgoing if item.kind == "state"))
 

@@ -111,53 +111,73 @@ class AttnResConnections:
     """The connection state of a forward pass (training or cached inference alike: the mix
     is per token, so a decoding step needs nothing from earlier tokens but the KV cache).
 
-    The mix runs in two phases (pretrain/model/attnres_mix.py): when a group's last
-    completed sum X_j (j = 0 mod S) is held, each consumer c of the next group gets its
-    softmax state over the completed sums (`prefix[c]`: weighted mean, log-sum-exp); c then
-    merges its own partial sum. A checkpoint unit that recomputes X_j recomputes its prefixes
-    too (the unit's `hold`). `record`: a dict that gets each consumer's weights over its
-    sources (analysis).
+    The mix runs in two phases (pretrain/model/attnres_mix.py): the softmax over a group's
+    completed sums for a span of its consumers at once (`prefix[c]`: weighted mean and
+    log-sum-exp, made when the span's first consumer is mixed, from that consumer's
+    handles), then each consumer merges its own partial sum. A span ends at the group's
+    last consumer or at `last`, whichever comes first (never before the consumer itself).
+    `record`: a dict that gets each consumer's weights over its sources (analysis).
 
-    On a pipeline stage (pretrain/model/attnres_program.py): `consumers` are the consumers it
-    forms (prefixes for others are not computed); `received[c]` is consumer c's state over
-    the completed sums before the stage, into which it merges those it makes; `sends` are
-    the consumers whose states it passes on (`attnres_state` and `attnres_lse` sources)."""
+    On a pipeline stage (pretrain/model/attnres_program.py), `last` is the stage's last
+    consumer; `received[c]` is consumer c's state over the completed sums before the stage
+    (its handles are the sources after them), merged with the prefix over those; `sends`
+    are the consumers whose states it passes on (`attnres_state`, `attnres_lse` sources)."""
 
     def __init__(self, query: torch.Tensor, key_norm: torch.Tensor, eps: float,
-                 layout: AttnResLayout, record: dict | None = None, *,
-                 consumers: range | None = None,
-                 received: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 layout: AttnResLayout, record: dict | None = None, last: int | None = None,
+                 *, received: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
                  sends: tuple[int, ...] = ()):
         self.queries = query * key_norm  # (L + 1, H): w_c * g_c
         self.eps, self.layout, self.record = eps, layout, record
-        last = layout.n_sublayers + 1
-        self.consumers = range(1, last + 1) if consumers is None else consumers
-        # Received as the stream's shape, kept as (T, H) and (T,) like the prefixes.
+        self.last = layout.n_sublayers + 1 if last is None else last
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c -> (o_c, lse_c)
+        # The stream's shape (a state arrives and leaves in it), kept as (T, H) and (T,).
+        self.shape = next(iter(received.values()))[0].shape if received else None
         self.received = {c: (o.reshape(-1, o.shape[-1]), lse.reshape(-1))
                          for c, (o, lse) in (received or {}).items()}
         self.sends = sends
-        self.completed: dict[int, torch.Tensor] = {}  # j -> X_j, j = 0 mod S, held here
-        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c -> (o, lse)
         self.sent: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        # The stream's shape (what a state is sent as, and a consumer's mix returned as).
-        self.shape = next(iter(received.values()))[0].shape if received else None
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        size, last = self.layout.group, self.layout.n_sublayers + 1
-        self.shape = x.shape
-        if j % size == 0 and j < last:
-            self.completed[j] = x
-            # The consumers of the next group that this stage forms (a contiguous run).
-            next_group = range(j + 1, min(j + size, last) + 1)
-            mine = range(max(next_group.start, self.consumers.start),
-                         min(next_group.stop, self.consumers.stop))
-            if mine:
-                self.prefix.update(self._states(mine, list(self.completed.values())))
         return x, x
+
+    def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
+        c, size = source.index, self.layout.group
+        if source.kind == "attnres_state":
+            # Contiguous to be sent (a prefix's o is a view across the consumers).
+            return self._send(handles)[c][0].reshape(self._shape(handles)).contiguous()
+        if source.kind == "attnres_lse":
+            return torch.stack([self.sent[c][1] for c in self.sends]).reshape(
+                len(self.sends), *self._shape(handles)[:-1])
+        if self.record is not None:
+            self.record[c] = depth_weights(self.queries[c - 1], handles, self.eps)
+        first = (c - 1) // size * size  # the group's X_j: its consumers are first + 1..
+        partial = c - 1 != first  # the sources end with the partial sum X_{c-1}
+        if c not in self.prefix:
+            end = max(c, min(first + size, self.last, self.layout.n_sublayers + 1))
+            self.prefix.update(self._states(range(c, end + 1),
+                                            handles[:-1] if partial else handles))
+        o, lse = self.prefix.pop(c)
+        if not partial:  # the prefix is the mix
+            # In the sources' dtype; X_0 (a source of every consumer) has the parameters',
+            # which stands in for it on a stage that received it folded into a state.
+            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
+                                     self.queries.dtype)
+            return o.reshape(self._shape(handles)).to(dtype)
+        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
+
+    def _shape(self, handles: list) -> torch.Size:
+        """The stream's shape: a handle's, else a received state's (or the last seen)."""
+        if handles:
+            self.shape = handles[0].shape
+        return self.shape
 
     def _states(self, consumers: range, sums: list[torch.Tensor]
                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """{c: the state of consumer c over `sums` and its received state, if any}."""
+        """{c: consumer c's state over the completed sums `sums`, merged with its received
+        state if any} (the received state alone when `sums` is empty)."""
+        if not sums:
+            return {c: self.received[c] for c in consumers}
         rows = slice(consumers.start - 1, consumers.stop - 1)
         states = dict(zip(consumers, group_prefix(self.queries[rows], sums, self.eps),
                           strict=True))
@@ -166,32 +186,9 @@ class AttnResConnections:
                 states[c] = merge_states(*self.received[c], o, lse)
         return states
 
-    def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
-        c = source.index
-        if source.kind == "attnres_state":
-            # Contiguous to be sent (a prefix's o is a view across the consumers).
-            return self._send(handles)[c][0].reshape(self.shape).contiguous()
-        if source.kind == "attnres_lse":
-            return torch.stack([self.sent[c][1] for c in self.sends]).reshape(
-                len(self.sends), *self.shape[:-1])
-        if self.record is not None:
-            self.record[c] = depth_weights(self.queries[c - 1], handles, self.eps)
-        first = (c - 1) // self.layout.group * self.layout.group  # the group's X_j
-        o, lse = self.prefix[c] if c in self.prefix else self.received[c]
-        if first == c - 1:  # no partial sum yet: the prefix is the mix
-            # In the sources' dtype; X_0 (a source of every consumer) has the parameters',
-            # which stands in for it on a stage that received it folded into a state.
-            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
-                                     self.queries.dtype)
-            return o.reshape(self.shape).to(dtype)
-        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
-
     def _send(self, sums: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The states of the consumers in `sends` over every completed sum so far (`sums`,
-        those made or received raw here, and the received states), at once."""
+        those made or received raw here, and the received states), all at once."""
         if self.sent is None:
-            if sums:
-                self.sent = self._states(range(self.sends[0], self.sends[-1] + 1), sums)
-            else:  # nothing completed here: the received states pass on
-                self.sent = {c: self.received[c] for c in self.sends}
+            self.sent = self._states(range(self.sends[0], self.sends[-1] + 1), sums)
         return self.sent
