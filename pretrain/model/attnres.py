@@ -140,7 +140,9 @@ class AttnResConnections:
         o, lse = self.prefix[first][c - 1 - first]
         if first == c - 1:  # no partial sum yet: the prefix is the mix
             dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
-            return o.reshape(handles[0].shape).to(dtype)
+            # A copy: o is a view into the storage of all the group's prefixes, which the
+            # branch's norm would otherwise keep alive until the backward.
+            return o.reshape(handles[0].shape).to(dtype, copy=True)
         return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
 
 
