@@ -163,7 +163,9 @@ class AttnResConnections:
             # which stands in for it on a stage that received it folded into a state.
             dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
                                      self.queries.dtype)
-            return o.reshape(self._shape(handles)).to(dtype)
+            # A copy: o is a view into the storage of all the span's prefixes, which the
+            # branch's norm would otherwise keep alive until the backward.
+            return o.reshape(self._shape(handles)).to(dtype, copy=True)
         return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
 
     def _shape(self, handles: list) -> torch.Size:

@@ -102,7 +102,9 @@ def group_prefix(queries: torch.Tensor, xs: list[torch.Tensor], eps: float):
 
 class _MergePartial(torch.autograd.Function):
     """h = p + w (o - p), w = sigmoid(lse - s_p), s_p = r_p (q . p): the softmax over the
-    prefix (o, lse) and p. Saves o and p (alive anyway) and per-token scalars."""
+    prefix (o, lse) and p. Saves p and h (alive anyway: the program holds p, and h is the
+    branch's input, which its norm saves) and per-token scalars; never o, so a group's
+    prefix outputs are freed once its consumers have merged."""
 
     @staticmethod
     def forward(ctx, o, lse, p, query, eps):
@@ -111,19 +113,21 @@ class _MergePartial(torch.autograd.Function):
         r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1).square() / width + eps)
         sp = (flat @ query.to(flat.dtype)) * r
         w = torch.sigmoid(lse.to(flat.dtype) - sp)
-        ctx.save_for_backward(o, p, query, w, r, sp)
-        return torch.lerp(flat, o.to(flat.dtype), w.unsqueeze(-1)).reshape(p.shape)
+        h = torch.lerp(flat, o.to(flat.dtype), w.unsqueeze(-1))
+        ctx.save_for_backward(h, p, query, w, r, sp)
+        ctx.o_dtype = o.dtype
+        return h.reshape(p.shape)
 
     @staticmethod
     def backward(ctx, dh):
-        o, p, query, w, r, sp = ctx.saved_tensors
+        h, p, query, w, r, sp = ctx.saved_tensors
         flat = p.to(w.dtype).reshape(-1, p.shape[-1])
-        of = o.to(w.dtype)
         dh = dh.to(w.dtype).reshape(flat.shape)
         width = flat.shape[-1]
-        dz = (torch.linalg.vecdot(dh, of) - torch.linalg.vecdot(dh, flat)) * w * (1 - w)
+        # dz = w (1 - w) dh . (o - p) = (1 - w) dh . (h - p): no need to keep o.
+        dz = (torch.linalg.vecdot(dh, h) - torch.linalg.vecdot(dh, flat)) * (1 - w)
         dsr = -dz * r  # d s_p, times r
-        do = (dh * w.unsqueeze(-1)).to(o.dtype)
+        do = (dh * w.unsqueeze(-1)).to(ctx.o_dtype)
         # dp = (1 - w) dh + ds_p (r q - s_p r^2 p / H)
         dp = flat * (-dsr * sp * r / width).unsqueeze(-1)
         dp.addcmul_((1 - w).unsqueeze(-1), dh).addcmul_(dsr.unsqueeze(-1), query.to(w.dtype))
