@@ -21,6 +21,7 @@ scalars), the connection state that the block program's interpreter runs
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -110,35 +111,45 @@ class AttnResConnections:
     """The connection state of a forward pass (training or cached inference alike: the mix
     is per token, so a decoding step needs nothing from earlier tokens but the KV cache).
 
-    The mix runs in two phases (pretrain/model/attnres_mix.py): when a group's last
-    completed sum X_j (j = 0 mod S) is held, the softmax over the completed sums for every
-    consumer of the next group (`prefix[j]`); each consumer then merges its own partial sum.
-    A checkpoint unit that recomputes X_j recomputes its prefix too (the unit's `hold`).
+    The mix runs in two phases (pretrain/model/attnres_mix.py): the softmax over a group's
+    completed sums for a span of its consumers at once (`prefix`, made when the span's
+    first consumer is mixed, from that consumer's handles), then each consumer merges its
+    own partial sum. A span ends at the group's last consumer or at `last`, whichever comes
+    first (never before the consumer itself): a checkpoint unit runs on a state `within`
+    its own consumers, so no prefix made inside a unit is read outside it, and a recomputed
+    unit makes the same prefixes again (parallel/strategies/checkpointing.py).
     `record`: a dict that gets each consumer's weights over its sources (analysis)."""
 
     def __init__(self, query: torch.Tensor, key_norm: torch.Tensor, eps: float,
-                 layout: AttnResLayout, record: dict | None = None):
+                 layout: AttnResLayout, record: dict | None = None, last: int | None = None):
         self.queries = query * key_norm  # (L + 1, H): w_c * g_c
         self.eps, self.layout, self.record = eps, layout, record
-        self.completed: dict[int, torch.Tensor] = {}  # j -> X_j, j = 0 mod S
-        self.prefix: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.last = layout.n_sublayers + 1 if last is None else last
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # c -> (o_c, lse_c)
+
+    def within(self, last: int) -> AttnResConnections:
+        """A state of the same pass (the same queries) whose prefix spans end by consumer
+        `last` (0: one consumer each)."""
+        state = copy.copy(self)
+        state.last, state.prefix = last, {}
+        return state
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        size, last = self.layout.group, self.layout.n_sublayers + 1
-        if j % size == 0 and j < last:
-            self.completed[j] = x
-            consumers = slice(j, min(j + size, last))  # rows of consumers j + 1..
-            sums = [self.completed[i] for i in range(0, j + 1, size)]
-            self.prefix[j] = group_prefix(self.queries[consumers], sums, self.eps)
         return x, x
 
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
-        c = source.index
+        c, size = source.index, self.layout.group
         if self.record is not None:
             self.record[c] = depth_weights(self.queries[c - 1], handles, self.eps)
-        first = (c - 1) // self.layout.group * self.layout.group  # the group's X_j
-        o, lse = self.prefix[first][c - 1 - first]
-        if first == c - 1:  # no partial sum yet: the prefix is the mix
+        first = (c - 1) // size * size  # the group's X_j: its consumers are first + 1..
+        partial = c - 1 != first  # the sources end with the partial sum X_{c-1}
+        if c not in self.prefix:
+            end = max(c, min(first + size, self.last, self.layout.n_sublayers + 1))
+            completed = handles[:-1] if partial else handles
+            spans = group_prefix(self.queries[c - 1:end], completed, self.eps)
+            self.prefix.update(zip(range(c, end + 1), spans, strict=True))
+        o, lse = self.prefix.pop(c)
+        if not partial:  # the prefix is the mix
             dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
             return o.reshape(handles[0].shape).to(dtype)
         return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
