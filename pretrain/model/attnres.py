@@ -149,10 +149,11 @@ class AttnResConnections:
             spans = group_prefix(self.queries[c - 1:end], completed, self.eps)
             self.prefix.update(zip(range(c, end + 1), spans, strict=True))
         o, lse = self.prefix.pop(c)
+        # In the sources' dtype (bf16 for a bf16 module; fp32 under autocast, X_0 being fp32).
+        dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
         if not partial:  # the prefix is the mix
-            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles))
             return o.reshape(handles[0].shape).to(dtype)
-        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
+        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps).to(dtype)
 
 
 def boundary_items(layout: AttnResLayout, b: int) -> tuple[Item, ...]:

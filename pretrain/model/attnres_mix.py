@@ -22,6 +22,20 @@ import functools
 import torch
 
 
+def _without_autocast(method):
+    """An autograd Function's forward or backward with autocast off: the mix's arithmetic is
+    fp32 (at least) in an autocast region too, where its matmuls would otherwise run in bf16
+    and hand bf16 weighted means to the fp32 mix."""
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return method(ctx, *args)
+
+    return run
+
+
 def _compute_dtype(xs) -> torch.dtype:
     """fp32 at least (bf16 branch outputs under autocast meet an fp32 embedding)."""
     return functools.reduce(torch.promote_types, (x.dtype for x in xs), torch.float32)
@@ -48,6 +62,7 @@ class _GroupPrefix(torch.autograd.Function):
     anyway) and (T, g, S) scalars, never the stack."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, queries: torch.Tensor, eps: float, *xs: torch.Tensor):
         v = _token_major(xs)
         s, r = _logits(v, queries, eps)
@@ -59,6 +74,7 @@ class _GroupPrefix(torch.autograd.Function):
         return (*o.unbind(0), *lse.T.unbind(0))
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, *grads: torch.Tensor | None):
         queries, a, r, s, *xs = ctx.saved_tensors
         v = _token_major(xs)
@@ -101,6 +117,7 @@ class _MergePartial(torch.autograd.Function):
     prefix (o, lse) and p. Saves o and p (alive anyway) and per-token scalars."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, o, lse, p, query, eps):
         flat = p.to(_compute_dtype((p, o))).reshape(-1, p.shape[-1])
         width = flat.shape[-1]
@@ -111,6 +128,7 @@ class _MergePartial(torch.autograd.Function):
         return torch.lerp(flat, o.to(flat.dtype), w.unsqueeze(-1)).reshape(p.shape)
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dh):
         o, p, query, w, r, sp = ctx.saved_tensors
         flat = p.to(w.dtype).reshape(-1, p.shape[-1])
