@@ -28,7 +28,18 @@ and before X_j's producer's, holding nothing.
 
 A unit is a slice of the model's block program (pretrain/model/program.py): the steps of
 blocks a..b, run by the same interpreter (`ProgramRun`) as the whole forward, with the same
-connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Under
+connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Held X_j are
+named by the index of the step output that makes them: a block's (X_i) or, under Attention
+Residuals, a sub-layer's (X_1..X_2d), and a unit also receives the residual its steps add
+when that was made before it (the open group's partial sum).
+
+Attention Residuals (pretrain/model/attnres.py): `dwa_block` makes a unit "the mix into
+sub-layer 2a - 1 + blocks a..b", recomputing that mix from the held X_j, so the only things
+kept are the X_j that cross unit boundaries (each once) and the output mix's per-token
+state; `block` also keeps each unit's entry. Each unit runs on a connection state `within`
+its own consumers, so the phase-1 prefixes it makes are read inside it only and made again
+when it is recomputed; outside the units the mixes run one consumer at a time
+(docs/memory.md#attention-residuals). Under
 pipeline parallelism each stage runs its own slice of the program
 (parallel/strategies/stage_model.py); there `block` with n = 1 is available and the other
 modes are refused by config validation.

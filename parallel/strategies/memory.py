@@ -20,6 +20,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   internals when nothing is recomputed, the LM head (the chunked loss keeps the gradients
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
   tensors under PP, and one unit's recompute working set.
+- for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
+  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py;
+  refused with pipeline stages).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
