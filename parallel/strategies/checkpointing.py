@@ -134,11 +134,10 @@ class _UnitRunner:
         connections = model.training_connections(x0, functional)
         self.buffered = isinstance(connections, BufferedDWA)
         self.connections = _HandedAfter(connections) if self.buffered else connections
-        outer = connections
+        outer = self.connections
         if isinstance(connections, AttnResConnections):  # one consumer at a time outside units
             outer = connections.within(0)
-        self.outer = ProgramRun(self.program, model.block,
-                                self.connections if self.buffered else outer)
+        self.outer = ProgramRun(self.program, model.block, outer)
         self.outer.receive({0: x0})
 
     def recomputes_entry(self, start: int) -> bool:
@@ -185,11 +184,14 @@ class _UnitRunner:
         return sorted(reads)
 
     def _unit_fn(self, start: int, stop: int, reads: list[int], produced: list[int]):
-        connections = self.connections
-        if isinstance(connections, AttnResConnections):  # prefixes of its consumers only
-            connections = connections.within(self.program.steps[stop - 1].input.index)
+        attnres = isinstance(self.connections, AttnResConnections)
+        last_consumer = self.program.steps[stop - 1].input.index
 
         def unit(entry, *read_handles):
+            # A fresh AttnRes state per call (the forward, its recomputation), whose prefix
+            # spans end with the unit: none is read outside it, none survives a call.
+            connections = self.connections.within(last_consumer) if attnres \
+                else self.connections
             run = ProgramRun(self.program, self.model.block, connections)
             run.held.update(zip(reads, read_handles, strict=True))
             src = self.program.steps[start].input
