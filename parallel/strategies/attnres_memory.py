@@ -37,15 +37,25 @@ AttnRes with parallel.pp > 1 by name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pretrain.model.attnres_layout import AttnResLayout
-
-if TYPE_CHECKING:
-    from parallel.strategies.memory import ActivationShape
-    from pretrain.model.config import DenseFormerConfig
+from pretrain.model.config import DenseFormerConfig
 
 FP32 = 4
+
+
+class ActivationShape(Protocol):
+    """What these terms read of parallel/strategies/memory.py's `ActivationShape` (which
+    calls them: this module stays below it)."""
+
+    tokens: int
+    hidden: int
+    seq_split: int
+    precision: object  # memory.Precision: param, stream, matmul bytes
+    stream_tensor: int
+    head: int
+    block: int
 
 
 def _group_first(layout: AttnResLayout, c: int) -> int:
@@ -91,10 +101,9 @@ def crossing(layout: AttnResLayout, boundary: int) -> set[int]:
 
 
 def attnres_activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
-                             every: int) -> dict[str, int]:
-    """Bytes of one micro-batch through a whole AttnRes model (no PP), by term."""
-    from parallel.strategies.memory import unit_ranges
-
+                             units: list[range]) -> dict[str, int]:
+    """Bytes of one micro-batch through a whole AttnRes model (no PP), by term; `units`: the
+    checkpoint units' blocks (memory.py `unit_ranges`)."""
     layout = model.attnres_layout
     consumers = range(1, layout.n_sublayers + 2)
     final = layout.n_sublayers + 1
@@ -105,7 +114,6 @@ def attnres_activation_terms(model: DenseFormerConfig, shape: ActivationShape, m
         terms["attnres_mixes"] = mix_state_bytes(layout, consumers, final, shape) + queries
         terms["blocks"] = model.n_layers * shape.block
         return terms
-    units = unit_ranges(model.n_layers, every)
     held: set[int] = set()
     outside = [final]  # consumers mixed outside every unit
     working = 0

@@ -317,7 +317,8 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
                      every: int) -> dict[str, int]:
     """Bytes of one micro-batch through the whole model (no PP), by term."""
     if model.attnres_layout is not None:
-        return attnres_activation_terms(model, shape, mode, every)
+        return attnres_activation_terms(model, shape, mode,
+                                        unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
