@@ -67,3 +67,33 @@ def test_combinations_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, ["model.vocab_size=128", *overrides])
     assert err.value.key == "train.compile"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("blocks", [pytest.param("null", marks=pytest.mark.slow), "2"],
+                         ids=["full", "block"])
+def test_compiled_attnres_trains_as_eager(blocks):
+    """Attention Residuals: `blocks` compiles the branches the program runs between the mixes
+    (graphs > 0 says they were), `model` the whole loss with the mixes' autograd functions;
+    both under dwa_block checkpointing (each unit recomputes its entry mix)."""
+    runs = run_distributed_test(
+        compiled_runs, world_size=1, timeout_s=280, world=1,
+        overrides=("model.connection=attnres", f"model.attnres_blocks={blocks}",
+                   "parallel.activation_checkpointing=dwa_block"),
+        modes=("none", "blocks", "model"))[0]
+    assert_same_training(runs)
+
+
+def test_attnres_model_compiles_as_one_graph():
+    """The mixes' custom autograd functions trace without a graph break (fullgraph)."""
+    import torch
+
+    from pretrain.model import DenseFormer, DenseFormerConfig
+
+    cfg = DenseFormerConfig(n_layers=2, d_model=16, n_heads=2, vocab_size=64, seq_len=8,
+                            connection="attnres", attnres_blocks=2)
+    model = DenseFormer(cfg)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    eager = model.loss(tokens[:, :-1], tokens[:, 1:])
+    whole = torch.compile(model.loss, backend="aot_eager", fullgraph=True)
+    assert torch.equal(whole(tokens[:, :-1], tokens[:, 1:]), eager)

@@ -23,6 +23,8 @@ def mode(device: str, *overrides: str, world_size: int = 1) -> str:
     (["model.dwa=false", "parallel.pp=2"], 2, "blocks"),  # the schedule runs each stage
     (["model.dwa=false", "parallel.zero_stage=3"], 2, "none"),  # compiled modes refused
     (["model.dwa=false", "train.compile=blocks"], 1, "blocks"),  # a setting is kept
+    (["model.connection=attnres"], 1, "model"),  # the mixes trace into the one graph
+    (["model.connection=attnres", "parallel.pp=2"], 2, "blocks"),
 ])
 def test_auto_on_cuda_and_cpu(overrides, world, cuda):
     assert mode("cuda", *overrides, world_size=world) == cuda

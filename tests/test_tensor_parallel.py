@@ -2,7 +2,9 @@
 
 Reference results come from a TP=1 model built in this test process; the ranks rebuild the
 same model (layout-independent init), gather their sharded gradients into full tensors and
-compare. Tolerance: loss 1e-5 absolute, each gradient 1e-5 relative (fp32).
+compare. Tolerance: loss 1e-5 absolute, each gradient 1e-5 relative (fp32). The cases
+include Attention Residuals, full and block, whose replicated queries and key norms must get
+the TP1 gradient on every rank (summed over the sequence slices under SP).
 """
 
 import json
@@ -22,6 +24,10 @@ CASES = {  # name -> DenseFormerConfig overrides
     # Grouped-query attention (4 query heads over 2 key/value heads) and an untied head: a TP
     # rank holds whole key/value groups, so TP <= 2 here.
     "llama-gqa-untied": dict(block="llama", dwa=False, n_kv_heads=2, tie_embeddings=False),
+    # Attention Residuals: the queries and key norms are replicated; under SP each rank
+    # mixes its sequence slice, and their partial gradients are summed over the TP group.
+    "attnres-full": dict(connection="attnres"),
+    "attnres-block": dict(connection="attnres", attnres_blocks=4, block="llama"),
 }
 MAX_TP = {"llama-gqa-untied": 2}
 
@@ -37,6 +43,12 @@ def make_model(case: str, sequence_parallel: bool = False):
         with torch.no_grad():
             model.dwa_alpha.add_(torch.randn(model.dwa_alpha.shape, generator=gen)
                                  * model.dwa_mask)
+    if model.attnres_query is not None:  # away from uniform depth weights
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            model.attnres_query.normal_(generator=gen)
+            model.attnres_key_norm.add_(0.3 * torch.randn(model.attnres_key_norm.shape,
+                                                          generator=gen))
     return model
 
 

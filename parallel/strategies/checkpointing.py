@@ -28,7 +28,18 @@ and before X_j's producer's, holding nothing.
 
 A unit is a slice of the model's block program (pretrain/model/program.py): the steps of
 blocks a..b, run by the same interpreter (`ProgramRun`) as the whole forward, with the same
-connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Under
+connection state, whose `hold` hands out `after(X_j)` instead of X_j here. Held X_j are
+named by the index of the step output that makes them: a block's (X_i) or, under Attention
+Residuals, a sub-layer's (X_1..X_2d), and a unit also receives the residual its steps add
+when that was made before it (the open group's partial sum).
+
+Attention Residuals (pretrain/model/attnres.py): `dwa_block` makes a unit "the mix into
+sub-layer 2a - 1 + blocks a..b", recomputing that mix from the held X_j, so the only things
+kept are the X_j that cross unit boundaries (each once) and the output mix's per-token
+state; `block` also keeps each unit's entry. Each unit runs on a connection state `within`
+its own consumers, so the phase-1 prefixes it makes are read inside it only and made again
+when it is recomputed; outside the units the mixes run one consumer at a time
+(docs/memory.md#attention-residuals). Under
 pipeline parallelism each stage runs its own slice of the program
 (parallel/strategies/stage_model.py); there `block` with n = 1 is available and the other
 modes are refused by config validation.
@@ -41,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from pretrain.model.attnres import AttnResConnections
 from pretrain.model.dwa import BufferedDWA
 from pretrain.model.program import ProgramRun, StageProgram
 
@@ -122,14 +134,17 @@ class _UnitRunner:
         connections = model.training_connections(x0, functional)
         self.buffered = isinstance(connections, BufferedDWA)
         self.connections = _HandedAfter(connections) if self.buffered else connections
-        self.outer = ProgramRun(self.program, model.block, self.connections)
+        outer = self.connections
+        if isinstance(connections, AttnResConnections):  # one consumer at a time outside units
+            outer = connections.within(0)
+        self.outer = ProgramRun(self.program, model.block, outer)
         self.outer.receive({0: x0})
 
     def recomputes_entry(self, start: int) -> bool:
         """Whether the unit whose first step is `start` recomputes that step's input (a
         DWA from the held X_j, or an X_j read back from its buffer) instead of keeping it."""
         src = self.program.steps[start].input
-        return self.lead_dwa and (src.kind == "dwa" or (
+        return self.lead_dwa and (src.kind not in ("x", "h") or (
             self.buffered and src.kind == "x" and src.index in self.program.held))
 
     def run(self, units: list[tuple[int, int]]) -> torch.Tensor:
@@ -137,13 +152,16 @@ class _UnitRunner:
         for a, b in units:
             start, stop = program.block_steps[a][0], program.block_steps[b][1]
             recompute = self.recomputes_entry(start)
-            entry = None if recompute else self.outer.form(start)
             reads = self._reads(start, stop, recompute)
-            # The X_j made in the unit that a source after it reads.
-            produced = [i for i in range(a, b + 1) if any(
-                i in js for js in program.reads[stop:])]
+            held = [self.outer.held[j] for j in reads]  # before `form` drops the entry's
+            entry = None if recompute else self.outer.form(start)
+            # The X_j made in the unit (by output index: a block's, or a sub-layer's under
+            # Attention Residuals) that a source after it reads.
+            made = [step.output[1] for step in program.steps[start:stop]
+                    if step.output[0] == "x"]
+            produced = [j for j in made if any(j in js for js in program.reads[stop:])]
             unit = self._unit_fn(start, stop, reads, produced)
-            inputs = (entry, *[self.outer.held[j] for j in reads])
+            inputs = (entry, *held)
             if self.recorder is not None:
                 self.recorder.append((unit, inputs))
             outputs = checkpoint(unit, *inputs, use_reentrant=False)
@@ -153,18 +171,28 @@ class _UnitRunner:
 
     def _reads(self, start: int, stop: int, recompute: bool) -> list[int]:
         """The held X_j made before the unit that its sources read (the first step's input
-        only when the unit recomputes it)."""
-        first = self.program.steps[start]
-        made_before = first.block
+        only when the unit recomputes it), and the residuals its steps add."""
+        steps = self.program.steps
+        first = steps[start]
+        made_before = first.output[1]  # X_j with a smaller index: a block's or a sub-layer's
         reads = {j for n in range(start + (not recompute), stop)
                  for j in self.program.reads[n] if j < made_before}
+        reads |= {s.residual for s in steps[start:stop]
+                  if s.residual is not None and s.residual < made_before}
         if recompute and first.input.kind == "x":
             reads.add(first.input.index)  # read back from its buffer
         return sorted(reads)
 
     def _unit_fn(self, start: int, stop: int, reads: list[int], produced: list[int]):
+        attnres = isinstance(self.connections, AttnResConnections)
+        last_consumer = self.program.steps[stop - 1].input.index
+
         def unit(entry, *read_handles):
-            run = ProgramRun(self.program, self.model.block, self.connections)
+            # A fresh AttnRes state per call (the forward, its recomputation), whose prefix
+            # spans end with the unit: none is read outside it, none survives a call.
+            connections = self.connections.within(last_consumer) if attnres \
+                else self.connections
+            run = ProgramRun(self.program, self.model.block, connections)
             run.held.update(zip(reads, read_handles, strict=True))
             src = self.program.steps[start].input
             if entry is None and src.kind == "x":

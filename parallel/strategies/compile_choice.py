@@ -12,6 +12,10 @@ head with the blocks. So on CUDA:
   which moves more bytes (1,272 + 3,770 hidden-size tensors forward + backward against
   1,370 + 1,419 for 1x1 at 48 blocks, docs/design.md). Which is faster on a GPU is for
   `gpu_check --only dwa_compiled` to measure; until it does, blocks.
+- the whole model for Attention Residuals without pipeline stages: their mixes are custom
+  autograd functions that trace into the one graph without a break (tests/test_compile.py),
+  so the mixes fuse with the norms and branches around them; `blocks` would compile only the
+  branches and leave every mix eager. Not yet timed on a GPU against `blocks`.
 
 On a CPU: none (compilation takes longer than the short runs made there save). With ZeRO-3:
 none, as any compiled mode is refused there (DeepSpeed gathers parameters in module hooks).
@@ -40,4 +44,7 @@ def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConf
         return "blocks", "train.compile=auto with pipeline stages"
     if m.has_dwa:
         return "blocks", "train.compile=auto for a DenseFormer (its buffered DWAs stay eager)"
+    if m.attnres_layout is not None:
+        return "model", ("train.compile=auto for Attention Residuals without pipeline stages "
+                         "(the mixes trace into the one graph)")
     return "model", "train.compile=auto for a Transformer without pipeline stages"

@@ -20,6 +20,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   internals when nothing is recomputed, the LM head (the chunked loss keeps the gradients
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
   tensors under PP, and one unit's recompute working set.
+- for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
+  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py;
+  refused with pipeline stages).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -60,6 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from parallel.strategies.attnres_memory import attnres_activation_terms
 from parallel.strategies.config import ParallelSection
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -312,6 +316,9 @@ def unit_ranges(n_layers: int, every: int, blocks: range | None = None) -> list[
 def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
                      every: int) -> dict[str, int]:
     """Bytes of one micro-batch through the whole model (no PP), by term."""
+    if model.attnres_layout is not None:
+        return attnres_activation_terms(model, shape, mode,
+                                        unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
@@ -392,6 +399,10 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
+    if p.pp > 1 and model.attnres_layout is not None:
+        raise ValueError(f"the training memory estimate of Attention Residuals with parallel.pp="
+                         f"{p.pp} is not available yet (docs/memory.md#attention-residuals): "
+                         "estimate pp=1, or measure a stage with python -m parallel.memory_probe")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
@@ -412,7 +423,8 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         copies = autocast_weight_copies(model, p.tp, len(blocks), precision)
         working = loss_working_set(model, shape) if last else 0
         activation = sum(v for k, v in activations.items() if k.endswith(
-            ("buffers", "head", "blocks", "boundaries", "working_set", "stages")))
+            ("buffers", "head", "blocks", "boundaries", "working_set", "stages", "held",
+             "mixes")))
         for dp_rank in range(dp):
             for tp_rank in range(p.tp):
                 ranks.append(RankMemory(

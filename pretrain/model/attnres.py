@@ -22,6 +22,7 @@ program itself and what crosses a stage boundary: attnres_program.py.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -116,7 +117,10 @@ class AttnResConnections:
     log-sum-exp, made when the span's first consumer is mixed, from that consumer's
     handles), then each consumer merges its own partial sum. A span ends at the group's
     last consumer or at `last`, whichever comes first (never before the consumer itself).
-    `record`: a dict that gets each consumer's weights over its sources (analysis).
+    A checkpoint unit runs on a state `within` its own consumers, so no prefix made inside
+    a unit is read outside it, and a recomputed unit makes the same prefixes again
+    (parallel/strategies/checkpointing.py). `record`: a dict that gets each consumer's
+    weights over its sources (analysis).
 
     On a pipeline stage (pretrain/model/attnres_program.py), `last` is the stage's last
     consumer; `received[c]` is consumer c's state over the completed sums before the stage
@@ -138,6 +142,13 @@ class AttnResConnections:
         self.sends = sends
         self.sent: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def within(self, last: int) -> AttnResConnections:
+        """A state of the same pass (the same queries) whose prefix spans end by consumer
+        `last` (0: one consumer each)."""
+        state = copy.copy(self)
+        state.last, state.prefix = last, {}
+        return state
+
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x
 
@@ -158,15 +169,16 @@ class AttnResConnections:
             self.prefix.update(self._states(range(c, end + 1),
                                             handles[:-1] if partial else handles))
         o, lse = self.prefix.pop(c)
+        # In the sources' dtype (bf16 for a bf16 module; fp32 under autocast, X_0 being
+        # fp32); X_0 (a source of every consumer) has the parameters', which stands in for it
+        # on a stage that received it folded into a state.
+        dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
+                                 self.queries.dtype)
         if not partial:  # the prefix is the mix
-            # In the sources' dtype; X_0 (a source of every consumer) has the parameters',
-            # which stands in for it on a stage that received it folded into a state.
-            dtype = functools.reduce(torch.promote_types, (h.dtype for h in handles),
-                                     self.queries.dtype)
             # A copy: o is a view into the storage of all the span's prefixes, which the
             # branch's norm would otherwise keep alive until the backward.
             return o.reshape(self._shape(handles)).to(dtype, copy=True)
-        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps)
+        return merge_partial(o, lse, handles[-1], self.queries[c - 1], self.eps).to(dtype)
 
     def _shape(self, handles: list) -> torch.Size:
         """The stream's shape: a handle's, else a received state's (or the last seen)."""

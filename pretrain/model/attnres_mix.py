@@ -26,6 +26,20 @@ import functools
 import torch
 
 
+def _without_autocast(method):
+    """An autograd Function's forward or backward with autocast off: the mix's arithmetic is
+    fp32 (at least) in an autocast region too, where its matmuls would otherwise run in bf16
+    and hand bf16 weighted means to the fp32 mix."""
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return method(ctx, *args)
+
+    return run
+
+
 def _compute_dtype(xs) -> torch.dtype:
     """fp32 at least (bf16 branch outputs under autocast meet an fp32 embedding)."""
     return functools.reduce(torch.promote_types, (x.dtype for x in xs), torch.float32)
@@ -52,6 +66,7 @@ class _GroupPrefix(torch.autograd.Function):
     anyway) and (T, g, S) scalars, never the stack."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, queries: torch.Tensor, eps: float, *xs: torch.Tensor):
         v = _token_major(xs)
         s, r = _logits(v, queries, eps)
@@ -63,6 +78,7 @@ class _GroupPrefix(torch.autograd.Function):
         return (*o.unbind(0), *lse.T.unbind(0))
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, *grads: torch.Tensor | None):
         queries, a, r, s, *xs = ctx.saved_tensors
         v = _token_major(xs)
@@ -107,6 +123,7 @@ class _MergePartial(torch.autograd.Function):
     prefix outputs are freed once its consumers have merged."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, o, lse, p, query, eps):
         flat = p.to(_compute_dtype((p, o))).reshape(-1, p.shape[-1])
         width = flat.shape[-1]
@@ -119,6 +136,7 @@ class _MergePartial(torch.autograd.Function):
         return h.reshape(p.shape)
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dh):
         h, p, query, w, r, sp = ctx.saved_tensors
         flat = p.to(w.dtype).reshape(-1, p.shape[-1])

@@ -1,0 +1,147 @@
+"""What Attention Residuals keep for backward, per activation-checkpointing mode: the
+activation terms of parallel/strategies/memory.py for `model.connection: attnres`.
+
+Plain arithmetic over the layout (pretrain/model/attnres_layout.py: sub-layers 1..L, L = 2d,
+consumers 1..L + 1, groups of S sub-layers, X_j the held running sums). Per token and rank
+(the mix is per token: under sequence parallelism it runs on this rank's sequence slice):
+
+- the held X_j: X_0 (the embedding, a stream tensor) and X_1..X_L (branch outputs and their
+  group sums: the matmul dtype under autocast, else the stream's);
+- per mixed span of consumers (attnres_mix.py `group_prefix`: the n consumers of one group
+  that one run mixes, sharing its g completed sums): the logits s and weights a (g x n) and
+  the RMS factors r (g), fp32 (the weighted means o_k are freed once merged);
+- per merge (`merge_partial`): the per-token w, r and s_p, fp32, and its output h, fp32,
+  which is the mix output (counted with the branch that reads it) unless the stream is
+  narrower (a bf16 module: the mix output is h cast to bf16);
+- the effective queries w_c * g_c, (L + 1, H) in the parameters' dtype, once.
+
+A block run as its two branches keeps what a whole block keeps (`ActivationShape.block`):
+the two mix outputs take the places of the block input and of the residual stream between
+its sub-layers.
+
+Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers):
+
+- `none`: every X_j, every span of a whole group, every block's internals.
+- `dwa_block`: a unit recomputes its entry mix, so autograd keeps only the X_j that cross a
+  unit boundary (those a consumer after the unit reads: each completed sum and the open
+  group's partial sum at each boundary, each stored once) and the output mix (consumer
+  L + 1, mixed outside every unit, a span of one). Recomputing a unit holds its blocks'
+  internals, its X_j but the last, and the mixes of its consumers (spans end with the unit).
+- `block`: as dwa_block, plus each unit's entry (its first consumer's mix output, kept as
+  the checkpoint's input) and that mix's own state (a span of one, outside the unit).
+
+Checked against the autograd probe (parallel/strategies/memory_probe.py) in
+tests/test_memory_attnres.py. Pipeline stages are not estimated here: `estimate` refuses
+AttnRes with parallel.pp > 1 by name.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pretrain.model.attnres_layout import AttnResLayout
+from pretrain.model.config import DenseFormerConfig
+
+FP32 = 4
+
+
+class ActivationShape(Protocol):
+    """What these terms read of parallel/strategies/memory.py's `ActivationShape` (which
+    calls them: this module stays below it)."""
+
+    tokens: int
+    hidden: int
+    seq_split: int
+    precision: object  # memory.Precision: param, stream, matmul bytes
+    stream_tensor: int
+    head: int
+    block: int
+
+
+def _group_first(layout: AttnResLayout, c: int) -> int:
+    """The index of the completed sum that opens consumer c's group (X_first)."""
+    return (c - 1) // layout.group * layout.group
+
+
+def mix_state_bytes(layout: AttnResLayout, consumers: range, last: int,
+                    shape: ActivationShape) -> int:
+    """Bytes the mixes of `consumers` (formed in order by one run whose prefix spans end by
+    consumer `last`, 0: one consumer each) save, besides the X_j and the mix outputs."""
+    tokens = shape.tokens // shape.seq_split
+    width = shape.hidden
+    size, made = layout.group, set()
+    total = 0
+    for c in consumers:
+        first = _group_first(layout, c)
+        if c not in made:
+            end = max(c, min(first + size, last, layout.n_sublayers + 1))
+            span = range(c, end + 1)
+            made.update(span)
+            g, n = first // size + 1, len(span)
+            total += (2 * g * n + g) * tokens * FP32  # s, a (g x n) and r (g)
+        if c - 1 != first:
+            total += 3 * tokens * FP32  # merge: w, r, s_p
+            if shape.precision.stream < FP32:  # its fp32 output beside the cast one
+                total += tokens * width * FP32
+    return total
+
+
+def held_bytes(held: set[int], shape: ActivationShape) -> int:
+    """Bytes of the X_j in `held`: X_0 a stream tensor, the others branch outputs (the
+    matmul dtype under autocast)."""
+    branch = shape.tokens * shape.hidden * shape.precision.matmul // shape.seq_split
+    return sum(shape.stream_tensor if j == 0 else branch for j in held)
+
+
+def crossing(layout: AttnResLayout, boundary: int) -> set[int]:
+    """The X_j (j <= boundary) that a consumer after sub-layer `boundary` reads."""
+    return {j for c in range(boundary + 1, layout.n_sublayers + 2)
+            for j in layout.sources(c) if j <= boundary}
+
+
+def attnres_activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
+                             units: list[range]) -> dict[str, int]:
+    """Bytes of one micro-batch through a whole AttnRes model (no PP), by term; `units`: the
+    checkpoint units' blocks (memory.py `unit_ranges`)."""
+    layout = model.attnres_layout
+    consumers = range(1, layout.n_sublayers + 2)
+    final = layout.n_sublayers + 1
+    queries = final * shape.hidden * shape.precision.param
+    terms = {"lm_head": shape.head}
+    if mode == "none":
+        terms["attnres_held"] = held_bytes(set(range(final)), shape)
+        terms["attnres_mixes"] = mix_state_bytes(layout, consumers, final, shape) + queries
+        terms["blocks"] = model.n_layers * shape.block
+        return terms
+    held: set[int] = set()
+    outside = [final]  # consumers mixed outside every unit
+    working = 0
+    for unit in units:
+        first_sub, last_sub = 2 * unit.start - 1, 2 * unit[-1]
+        held |= crossing(layout, last_sub)
+        inside = range(first_sub + (mode == "block"), last_sub + 1)
+        if mode == "block":
+            outside.append(first_sub)
+        made = held_bytes(set(range(first_sub, last_sub)), shape)  # all but the last
+        unit_working = (len(unit) * shape.block + made
+                        + mix_state_bytes(layout, inside, last_sub, shape))
+        if mode == "block":
+            unit_working -= _mix_output_bytes(layout, first_sub, shape)  # a kept input
+        working = max(working, unit_working)
+    terms["attnres_held"] = held_bytes(held, shape)
+    terms["attnres_mixes"] = queries + sum(mix_state_bytes(layout, range(c, c + 1), 0, shape)
+                                           for c in outside)
+    if mode == "block":
+        terms["checkpoint_boundaries"] = sum(_mix_output_bytes(layout, 2 * u.start - 1, shape)
+                                             for u in units)
+    terms["recompute_working_set"] = working
+    return terms
+
+
+def _mix_output_bytes(layout: AttnResLayout, c: int, shape: ActivationShape) -> int:
+    """Bytes of consumer c's mix output: fp32 at least (the mix promotes its sources to
+    fp32), a stream tensor when it opens a group (its prefix, cast to the sources' dtype)."""
+    if c - 1 == _group_first(layout, c):
+        return shape.stream_tensor
+    tokens = shape.tokens // shape.seq_split
+    return tokens * shape.hidden * max(FP32, shape.precision.stream)
