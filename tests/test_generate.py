@@ -51,11 +51,15 @@ def test_cached_greedy_equals_full_forward_greedy(shape):
 def test_cached_logits_match_the_training_forward(shape, dwa_dtype):
     """A padded prefill then single-token steps give the training forward's logits (with
     bf16 DWA storage too: the cached DWA state rounds the X_j as training stores them)."""
+    _check_cached_logits(tiny_model(shape, dwa_dtype=dwa_dtype))
+
+
+def _check_cached_logits(model) -> KVCache:
+    """A padded prefill, then single-token steps, against the training forward of each row
+    (row 1 is the last 9 tokens of its sequence, left-padded by 3); returns the cache."""
     from pretrain.generation import _Batch
 
-    model = tiny_model(shape, dwa_dtype=dwa_dtype)
     tokens = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(0))
-    lengths = [12, 9]  # row 1 is the last 9 tokens of its sequence, left-padded by 3
     full = [model(tokens[:1]), model(tokens[1:, 3:])]
     batch = _Batch([tokens[0, :6].tolist(), tokens[1, 3:6].tolist()], 12, 40,
                    torch.device("cpu"))
@@ -70,7 +74,8 @@ def test_cached_logits_match_the_training_forward(shape, dwa_dtype):
         cache.length = slot + 1
     logits = torch.cat(logits, dim=1)
     torch.testing.assert_close(logits[0], full[0][0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits[1, 12 - lengths[1]:], full[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[1, 3:], full[1][0], rtol=1e-4, atol=1e-4)
+    return cache
 
 
 ATTNRES = {"full-gpt": dict(block="gpt"), "full-llama": dict(block="llama"),
@@ -106,25 +111,7 @@ def test_attnres_cached_greedy_equals_full_forward_greedy(shape):
 def test_attnres_cached_logits_match_the_training_forward(shape):
     """A padded prefill then single-token steps: the depth mix of each new token reads that
     token's sub-layer outputs alone, so the KV cache is all that carries over."""
-    from pretrain.generation import _Batch
-
-    model = tiny_attnres_model(shape)
-    tokens = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(0))
-    full = [model(tokens[:1]), model(tokens[1:, 3:])]
-    batch = _Batch([tokens[0, :6].tolist(), tokens[1, 3:6].tolist()], 12, 40,
-                   torch.device("cpu"))
-    cache = KVCache(len(model.blocks), 12)
-    cache.positions, cache.mask, cache.is_causal = batch.positions(0, 6), \
-        batch.prefill_mask(), False
-    logits = [model.forward_cached(batch.tokens, cache, last_only=False)]
-    cache.length = 6
-    for slot in range(6, 12):
-        cache.positions, cache.mask = batch.positions(slot, slot + 1), batch.decode_mask(slot + 1)
-        logits.append(model.forward_cached(tokens[:, slot:slot + 1], cache))
-        cache.length = slot + 1
-    logits = torch.cat(logits, dim=1)
-    torch.testing.assert_close(logits[0], full[0][0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits[1, 3:], full[1][0], rtol=1e-4, atol=1e-4)
+    cache = _check_cached_logits(tiny_attnres_model(shape))
     assert cache.dwa_decode is None  # no state of the connection between steps
 
 
