@@ -261,7 +261,8 @@ def attnres_cases(cases: list[dict], dp: int = 1) -> dict:
         runner = PipelineRunner(
             attnres_config(case["model"]), microbatches=m,
             micro_batch=tokens.shape[0] // (dp * m), virtual_stages=case["virtual_stages"],
-            pp_split=case["split"], transfer=case["mode"], seed=3)
+            pp_split=case["split"], transfer=case["mode"], seed=3,
+            sequence_parallel=case["sequence_parallel"])
         runner.load_model_state(state)
         local = tokens.chunk(dp)[ps.get_data_parallel_rank()]
         loss = runner.train_step(local[:, :-1], local[:, 1:]) / m
@@ -272,6 +273,10 @@ def attnres_cases(cases: list[dict], dp: int = 1) -> dict:
                 param.grad /= dp
             dist.all_reduce(loss, group=ps.get_data_parallel_group())
             loss /= dp
+        if case["sequence_parallel"]:  # as the trainer: the replicated weights' partial sums
+            from parallel.primitives.tensor import allreduce_sequence_parallel_grads
+
+            allreduce_sequence_parallel_grads(model, model.tp_group)
         assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
         errors = {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
                   for name, p in model.named_parameters()}
@@ -328,7 +333,9 @@ LAYOUTS = {  # name -> (pp, virtual stages, split, tp, dp)
     "pp2-interleaved": (2, 2, four, 1, 1),
     "tp2-pp2": (2, 1, last_alone, 2, 1),  # slow only
     "pp2-dp2": (2, 1, last_alone, 1, 2),  # slow only
+    "tp2-pp2-sp": (2, 1, last_alone, 2, 1),  # slow only, with sequence parallelism
 }
+SEQUENCE_PARALLEL = {"tp2-pp2-sp"}
 # Default suite: one spawn per layout, full and block AttnRes (block with an open group's
 # partial sum crossing beside the states), both modes between them.
 DEFAULT_CASES = {
@@ -348,6 +355,7 @@ def run_layout(layout: str, entries, timeout_s: float) -> None:
                          check_eval=True, dp=dp)
     for case in cases:
         case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-5
+        case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
     results = run_distributed_test(attnres_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
                                    cases=cases, dp=dp)
     assert all(set(r) == {c["id"] for c in cases} for r in results)
