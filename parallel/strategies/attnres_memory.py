@@ -30,9 +30,19 @@ Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers):
 - `block`: as dwa_block, plus each unit's entry (its first consumer's mix output, kept as
   the checkpoint's input) and that mix's own state (a span of one, outside the unit).
 
+A pipeline stage (`attnres_stage_terms`, the program of pretrain/model/attnres_program.py
+run by parallel/strategies/stage_model.py) keeps, per micro-batch: the X_j it makes (sub-layers
+2a - 1..2b of its blocks a..b), the tensors it receives (raw X_j or consumer states o_c, in
+the stream's dtype, plus the boundary dtype's copy when that is narrower, and the fp32 lse
+(n, tokens)), the mixes' state as above over the sources the stage reads (a received state
+stands for the completed sums before the boundary; merging it with the stage's own prefix,
+`merge_states`, saves the prefix's weighted means and lse and a per-token weight), the
+states and lse it sends, and its blocks: all their internals with `none`; with `block` (the
+pipeline checkpoints each branch, `_checkpointed`) each branch's input, the mix output, and
+one branch's recompute working set.
+
 Checked against the autograd probe (parallel/strategies/memory_probe.py) in
-tests/test_memory_attnres.py. Pipeline stages are not estimated here: `estimate` refuses
-AttnRes with parallel.pp > 1 by name.
+tests/test_memory_attnres.py, the whole model and each pipeline stage.
 """
 
 from __future__ import annotations
@@ -51,11 +61,14 @@ class ActivationShape(Protocol):
 
     tokens: int
     hidden: int
+    seq: int
     seq_split: int
     precision: object  # memory.Precision: param, stream, matmul bytes
     stream_tensor: int
     head: int
     block: int
+    attention_branch: int
+    mlp_branch: int
 
 
 def _group_first(layout: AttnResLayout, c: int) -> int:
@@ -145,3 +158,77 @@ def _mix_output_bytes(layout: AttnResLayout, c: int, shape: ActivationShape) -> 
         return shape.stream_tensor
     tokens = shape.tokens // shape.seq_split
     return tokens * shape.hidden * max(FP32, shape.precision.stream)
+
+
+def _span_state(g: int, n: int, tokens: int) -> int:
+    """Bytes `group_prefix` saves for n consumers over g sources: s, a (g x n), r (g)."""
+    return (2 * g * n + g) * tokens * FP32
+
+
+def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
+                        program, boundary_bytes: int) -> dict[str, int]:
+    """Bytes of one micro-batch on one pipeline stage, by term; `program` its StageProgram
+    (attnres_program.py), `boundary_bytes` the element size of what crosses a boundary
+    (parallel.pipeline_dtype). `mode`: `none` or `block` (a branch a checkpoint)."""
+    layout = model.attnres_layout
+    tokens = shape.tokens // shape.seq_split
+    hidden = tokens * shape.hidden
+    size = layout.group
+    lo, hi = 2 * program.first - 1, 2 * program.last
+    final = layout.n_sublayers + 1
+    last_consumer = hi + 1 if program.is_last else hi
+    received = {item.index for item in program.incoming if item.kind == "state"}
+    # The first stage also holds X_0 and the token ids its embedding saves (a view of the
+    # loaded (B, S + 1) batch, as the LM head's targets are).
+    made = set(range(0 if program.is_first else lo, hi + 1))
+    terms = {"attnres_held": held_bytes(made, shape)}
+    if program.is_first:
+        terms["token_ids"] = 8 * shape.tokens // shape.seq + 8 * shape.tokens
+
+    # What arrives: held as the stage's inputs (widened on receipt when narrower).
+    wide = shape.stream_tensor
+    if boundary_bytes != shape.precision.stream:
+        wide += shape.stream_tensor * boundary_bytes // shape.precision.stream
+    terms["received"] = sum(item.index * tokens * FP32 if item.kind == "lse" else wide
+                            for item in program.incoming)
+    # What leaves besides X_j held anyway: the states (made here) and their lse.
+    terms["sent"] = sum(item.index * tokens * FP32 if item.kind == "lse" else
+                        hidden * boundary_bytes for item in program.outgoing
+                        if item.kind in ("state", "lse"))
+
+    mixes, made = 0, set()
+    sources = [step.input for step in program.steps] + list(program.outgoing_sources)
+    for src in sources:
+        c = src.index
+        if src.kind == "attnres_state" and c not in made:  # every sent state at once
+            span = [s.index for s in sources if s.kind == "attnres_state"]
+            made.update(span)
+            g = len(src.terms)
+        elif src.kind == "attnres" and c not in made:
+            first = _group_first(layout, c)
+            end = max(c, min(first + size, last_consumer, final))
+            span = list(range(c, end + 1))
+            made.update(span)
+            g = len(src.terms) - (c - 1 != first)  # the partial sum is merged, not mixed
+        else:
+            span, g = [], 0
+        if span and g:
+            mixes += _span_state(g, len(span), tokens)
+            merged = [k for k in span if k in received]
+            if merged:  # merge_states keeps the prefix's o and lse, and its weight w
+                mixes += (len(span) * (shape.hidden + 1) + len(merged)) * tokens * FP32
+        if src.kind == "attnres" and c - 1 != _group_first(layout, c):
+            mixes += 3 * tokens * FP32  # merge_partial: w, r, s_p
+            if shape.precision.stream < FP32:
+                mixes += hidden * FP32
+    terms["attnres_mixes"] = mixes + final * shape.hidden * shape.precision.param  # queries
+
+    if mode == "none":
+        terms["blocks"] = (program.last - program.first + 1) * shape.block
+    else:
+        terms["checkpoint_boundaries"] = sum(_mix_output_bytes(layout, c, shape)
+                                             for c in range(lo, hi + 1))
+        terms["recompute_working_set"] = max(shape.attention_branch, shape.mlp_branch)
+    if program.is_last:
+        terms["lm_head"] = shape.head
+    return terms

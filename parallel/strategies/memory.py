@@ -63,7 +63,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallel.strategies.attnres_memory import attnres_activation_terms
+from parallel.strategies.attnres_memory import (
+    attnres_activation_terms,
+    attnres_stage_terms,
+)
 from parallel.strategies.config import ParallelSection
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -291,6 +294,29 @@ class ActivationShape:
         return norm_region + split + stats + lse
 
     @property
+    def attention_branch(self) -> int:
+        """Bytes the attention half of a block keeps besides its input (`block` splits into
+        its input, the residual between the halves, and these two)."""
+        s, p = self.tokens * self.hidden, self.precision
+        kv = s * (self.kv_heads or self.heads) // self.heads
+        attention = (s + kv + (s + 2 * kv) + s + 2 * (s - kv)) * p.matmul // self.tp
+        return attention + FP32 * self.tokens * (self.heads // self.tp) + self._norm_half
+
+    @property
+    def mlp_branch(self) -> int:
+        """Bytes the MLP half of a block keeps besides its input."""
+        ffn = self.tokens * (self.ffn or self.mlp_ratio * self.hidden)
+        return (4 if self.llama else 2) * ffn * self.precision.matmul // self.tp + \
+            self._norm_half
+
+    @property
+    def _norm_half(self) -> int:
+        """One norm's output and statistics (and RMSNorm's normalised input)."""
+        s, p = self.tokens * self.hidden // self.seq_split, self.precision
+        stats = (1 if self.llama else 2) * FP32 * self.tokens // self.seq_split
+        return p.matmul * s + stats + (p.stream * s if self.llama else 0)
+
+    @property
     def head(self) -> int:
         """Bytes the final norm and the chunked LM-head loss keep (plus the token ids): Y_d
         and the norm's statistics, and the loss's gradients computed in its forward
@@ -348,6 +374,14 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
+    if model.attnres_layout is not None:
+        per_micro, working = 0, 0
+        for s in plan.stages_of_rank(pp_rank):
+            terms = attnres_stage_terms(model, shape, mode, plan.programs[s], boundary_bytes)
+            working = max(working, terms.pop("recompute_working_set", 0))
+            per_micro += sum(terms.values())
+        return {"in_flight_microbatches": in_flight, "stages": in_flight * per_micro,
+                "recompute_working_set": working}
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream
@@ -399,10 +433,6 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
-    if p.pp > 1 and model.attnres_layout is not None:
-        raise ValueError(f"the training memory estimate of Attention Residuals with parallel.pp="
-                         f"{p.pp} is not available yet (docs/memory.md#attention-residuals): "
-                         "estimate pp=1, or measure a stage with python -m parallel.memory_probe")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
