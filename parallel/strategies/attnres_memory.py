@@ -61,6 +61,7 @@ class ActivationShape(Protocol):
 
     tokens: int
     hidden: int
+    micro_batch: int
     seq: int
     seq_split: int
     precision: object  # memory.Precision: param, stream, matmul bytes
@@ -179,11 +180,12 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
     last_consumer = hi + 1 if program.is_last else hi
     received = {item.index for item in program.incoming if item.kind == "state"}
     # The first stage also holds X_0 and the token ids its embedding saves (a view of the
-    # loaded (B, S + 1) batch, as the LM head's targets are).
+    # loaded (B, S + 1) batch), which `shape.head` counts for the whole model.
     made = set(range(0 if program.is_first else lo, hi + 1))
     terms = {"attnres_held": held_bytes(made, shape)}
+    token_ids = 8 * shape.micro_batch * (shape.seq + 1)
     if program.is_first:
-        terms["token_ids"] = 8 * shape.tokens // shape.seq + 8 * shape.tokens
+        terms["token_ids"] = token_ids
 
     # What arrives: held as the stage's inputs (widened on receipt when narrower).
     wide = shape.stream_tensor
@@ -223,12 +225,17 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
                 mixes += hidden * FP32
     terms["attnres_mixes"] = mixes + final * shape.hidden * shape.precision.param  # queries
 
+    # Each branch's input is its mix output: kept by the branch (`none`) or as the input of
+    # its checkpoint (`block`, the pipeline's `_checkpointed`).
+    inputs = sum(_mix_output_bytes(layout, c, shape) for c in range(lo, hi + 1))
+    n_blocks = program.last - program.first + 1
     if mode == "none":
-        terms["blocks"] = (program.last - program.first + 1) * shape.block
+        terms["blocks"] = inputs + n_blocks * (shape.attention_branch + shape.mlp_branch)
     else:
-        terms["checkpoint_boundaries"] = sum(_mix_output_bytes(layout, c, shape)
-                                             for c in range(lo, hi + 1))
+        terms["checkpoint_boundaries"] = inputs
         terms["recompute_working_set"] = max(shape.attention_branch, shape.mlp_branch)
     if program.is_last:
-        terms["lm_head"] = shape.head
+        # Y_d, the stage's output, which the schedule holds until its backward, besides
+        # what the head keeps.
+        terms["lm_head"] = shape.head - token_ids + shape.stream_tensor
     return terms

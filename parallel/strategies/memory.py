@@ -295,16 +295,19 @@ class ActivationShape:
 
     @property
     def attention_branch(self) -> int:
-        """Bytes the attention half of a block keeps besides its input (`block` splits into
-        its input, the residual between the halves, and these two)."""
+        """Bytes the attention half of a block run alone (an AttnRes branch) keeps besides
+        its input: the norm's output and statistics, q and k after RoPE, the qkv output, the
+        attention output and the (tokens, H) copy of it that the projection reads (one
+        tensor more than `block` counts for the two halves' inputs: measured exactly)."""
         s, p = self.tokens * self.hidden, self.precision
         kv = s * (self.kv_heads or self.heads) // self.heads
-        attention = (s + kv + (s + 2 * kv) + s + 2 * (s - kv)) * p.matmul // self.tp
+        attention = (s + kv + (s + 2 * kv) + 2 * s + 2 * (s - kv)) * p.matmul // self.tp
         return attention + FP32 * self.tokens * (self.heads // self.tp) + self._norm_half
 
     @property
     def mlp_branch(self) -> int:
-        """Bytes the MLP half of a block keeps besides its input."""
+        """Bytes the MLP half of a block run alone keeps besides its input: the norm's
+        output and statistics, the MLP's inputs to its nonlinearity and to fc_out."""
         ffn = self.tokens * (self.ffn or self.mlp_ratio * self.hidden)
         return (4 if self.llama else 2) * ffn * self.precision.matmul // self.tp + \
             self._norm_half
