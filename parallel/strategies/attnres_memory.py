@@ -217,8 +217,12 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
         if span and g:
             mixes += _span_state(g, len(span), tokens)
             merged = [k for k in span if k in received]
-            if merged:  # merge_states keeps the prefix's o and lse, and its weight w
-                mixes += (len(span) * (shape.hidden + 1) + len(merged)) * tokens * FP32
+            if merged:  # merge_states keeps the prefix's o and its weight w, and the
+                # prefix's lse where the merged lse is read (a merge or a sent state)
+                mixes += (len(span) * shape.hidden + len(merged)) * tokens * FP32
+                if src.kind == "attnres_state" or any(
+                        k - 1 != _group_first(layout, k) for k in merged):
+                    mixes += len(span) * tokens * FP32
         if src.kind == "attnres" and c - 1 != _group_first(layout, c):
             mixes += 3 * tokens * FP32  # merge_partial: w, r, s_p
             if shape.precision.stream < FP32:

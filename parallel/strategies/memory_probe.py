@@ -71,14 +71,24 @@ class SavedTensorCounter:
     def __init__(self, exclude: set[int] = frozenset()):
         self.exclude = set(exclude)
         self.storages: dict[int, tuple[int, tuple, str]] = {}
+        self._saved: dict[int, list[weakref.ref]] = {}  # key -> the tensors saved with it
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.exclude and key not in self.storages and storage.nbytes():
-            origin = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "leaf"
-            self.storages[key] = (storage.nbytes(), tuple(tensor.shape), origin)
+        if key not in self.exclude and storage.nbytes():
+            if key not in self.storages:
+                origin = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "leaf"
+                self.storages[key] = (storage.nbytes(), tuple(tensor.shape), origin)
+            self._saved.setdefault(key, []).append(weakref.ref(tensor))
         return tensor
+
+    def alive(self) -> dict[int, tuple[int, tuple, str]]:
+        """The `storages` some node still holds a tensor of: a node whose output was
+        dropped in the forward (a result nobody reads) frees what it saved, and its
+        storage's address may be reused by a tensor saved later."""
+        return {k: v for k, v in self.storages.items()
+                if any(ref() is not None for ref in self._saved[k])}
 
     @property
     def bytes(self) -> int:
@@ -206,7 +216,7 @@ def measure_stage(stage: nn.Module, received: tuple, loss_fn: Callable | None = 
             loss = loss_fn(outputs) if loss_fn is not None else None
     finally:
         stage.recorder = None
-    saved = dict(counter.storages)
+    saved = counter.alive()
     boundary = {k: n for k, n in {**_storages(received), **_storages(outputs)}.items()
                 if k not in saved and k not in exclude}
     recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary))
