@@ -166,6 +166,43 @@ def _span_state(g: int, n: int, tokens: int) -> int:
     return (2 * g * n + g) * tokens * FP32
 
 
+def _stage_mixes(layout: AttnResLayout, program, received: set[int],
+                 shape: ActivationShape) -> tuple[int, set[int]]:
+    """(bytes the mixes of a stage save, the consumers whose received state they merge
+    with a prefix of their own): as `mix_state_bytes`, over the sources the stage reads."""
+    tokens = shape.tokens // shape.seq_split
+    last = 2 * program.last + int(program.is_last)  # the stage's last consumer
+    sources = [step.input for step in program.steps] + list(program.outgoing_sources)
+    total, mixed, merged = 0, set(), set()
+    for src in sources:
+        c, span, g = src.index, [], 0
+        partial = src.kind == "attnres" and c - 1 != _group_first(layout, c)
+        if src.kind == "attnres_state" and c not in mixed:  # every sent state at once
+            span = [s.index for s in sources if s.kind == "attnres_state"]
+            g = len(src.terms)
+        elif src.kind == "attnres" and c not in mixed:
+            first = _group_first(layout, c)
+            end = max(c, min(first + layout.group, last, layout.n_sublayers + 1))
+            span = list(range(c, end + 1))
+            g = len(src.terms) - partial  # the partial sum is merged, not mixed
+        mixed.update(span)
+        if span and g:
+            total += _span_state(g, len(span), tokens)
+            own = [k for k in span if k in received]
+            merged.update(own)
+            if own:  # merge_states keeps the prefix's o (the span's) and its weight w, and
+                # the prefix's lse where the merged lse is read (a merge, a sent state)
+                total += (len(span) * shape.hidden + len(own)) * tokens * FP32
+                if src.kind == "attnres_state" or any(
+                        k - 1 != _group_first(layout, k) for k in own):
+                    total += len(span) * tokens * FP32
+        if partial:
+            total += 3 * tokens * FP32  # merge_partial: w, r, s_p
+            if shape.precision.stream < FP32:
+                total += tokens * shape.hidden * FP32
+    return total, merged
+
+
 def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
                         program, boundary_bytes: int) -> dict[str, int]:
     """Bytes of one micro-batch on one pipeline stage, by term; `program` its StageProgram
@@ -173,61 +210,46 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
     (parallel.pipeline_dtype). `mode`: `none` or `block` (a branch a checkpoint)."""
     layout = model.attnres_layout
     tokens = shape.tokens // shape.seq_split
-    hidden = tokens * shape.hidden
-    size = layout.group
     lo, hi = 2 * program.first - 1, 2 * program.last
-    final = layout.n_sublayers + 1
-    last_consumer = hi + 1 if program.is_last else hi
     received = {item.index for item in program.incoming if item.kind == "state"}
     # The first stage also holds X_0 and the token ids its embedding saves (a view of the
     # loaded (B, S + 1) batch), which `shape.head` counts for the whole model.
     made = set(range(0 if program.is_first else lo, hi + 1))
-    terms = {"attnres_held": held_bytes(made, shape)}
+    # Bytes per element of each X_j: X_0 and the received X_j are the stream's (widened on
+    # receipt), and so is a partial sum made on one of them; the others are branch outputs
+    # (and their sums) in the matmul dtype.
+    raw = {item.index for item in program.incoming if item.kind == "x"}
+    p = shape.precision
+    itemsize = {j: p.stream for j in raw | {0}}
+    for j in sorted(made - {0}):
+        itemsize[j] = p.stream if layout.accumulates(j) and itemsize.get(j - 1) == p.stream \
+            else p.matmul
+    tensor = tokens * shape.hidden
+    terms = {"attnres_held": sum(tensor * itemsize[j] for j in made)}
     token_ids = 8 * shape.micro_batch * (shape.seq + 1)
     if program.is_first:
         terms["token_ids"] = token_ids
+    mixes, merged = _stage_mixes(layout, program, received, shape)
+    terms["attnres_mixes"] = mixes + (layout.n_sublayers + 1) * shape.hidden * \
+        shape.precision.param  # the effective queries
 
-    # What arrives: held as the stage's inputs (widened on receipt when narrower).
-    wide = shape.stream_tensor
-    if boundary_bytes != shape.precision.stream:
-        wide += shape.stream_tensor * boundary_bytes // shape.precision.stream
-    terms["received"] = sum(item.index * tokens * FP32 if item.kind == "lse" else wide
-                            for item in program.incoming)
-    # What leaves besides X_j held anyway: the states (made here) and their lse.
-    terms["sent"] = sum(item.index * tokens * FP32 if item.kind == "lse" else
-                        hidden * boundary_bytes for item in program.outgoing
-                        if item.kind in ("state", "lse"))
-
-    mixes, made = 0, set()
-    sources = [step.input for step in program.steps] + list(program.outgoing_sources)
-    for src in sources:
-        c = src.index
-        if src.kind == "attnres_state" and c not in made:  # every sent state at once
-            span = [s.index for s in sources if s.kind == "attnres_state"]
-            made.update(span)
-            g = len(src.terms)
-        elif src.kind == "attnres" and c not in made:
-            first = _group_first(layout, c)
-            end = max(c, min(first + size, last_consumer, final))
-            span = list(range(c, end + 1))
-            made.update(span)
-            g = len(src.terms) - (c - 1 != first)  # the partial sum is merged, not mixed
-        else:
-            span, g = [], 0
-        if span and g:
-            mixes += _span_state(g, len(span), tokens)
-            merged = [k for k in span if k in received]
-            if merged:  # merge_states keeps the prefix's o and its weight w, and the
-                # prefix's lse where the merged lse is read (a merge or a sent state)
-                mixes += (len(span) * shape.hidden + len(merged)) * tokens * FP32
-                if src.kind == "attnres_state" or any(
-                        k - 1 != _group_first(layout, k) for k in merged):
-                    mixes += len(span) * tokens * FP32
-        if src.kind == "attnres" and c - 1 != _group_first(layout, c):
-            mixes += 3 * tokens * FP32  # merge_partial: w, r, s_p
-            if shape.precision.stream < FP32:
-                mixes += hidden * FP32
-    terms["attnres_mixes"] = mixes + final * shape.hidden * shape.precision.param  # queries
+    # What arrives is held as the stage's inputs; in a narrower dtype than the stream also
+    # widened, where something keeps the widened tensor: a raw X_j (the mixes read it), a
+    # state merged here (a state a consumer only copies or merges its partial sum into is
+    # not kept).
+    boundary = tensor * boundary_bytes
+    narrow = boundary_bytes != p.stream
+    terms["received"] = sum(
+        item.index * tokens * FP32 if item.kind == "lse" else
+        boundary + (shape.stream_tensor if narrow and (item.kind == "x" or item.index in merged)
+                    else 0)
+        for item in program.incoming)
+    # What leaves besides what is held anyway: the states and their lse, and a copy of an
+    # X_j whose dtype the boundary's is not.
+    terms["sent"] = sum(
+        item.index * tokens * FP32 if item.kind == "lse" else boundary
+        for item in program.outgoing
+        if item.kind != "x" or itemsize[item.index] != boundary_bytes)
 
     # Each branch's input is its mix output: kept by the branch (`none`) or as the input of
     # its checkpoint (`block`, the pipeline's `_checkpointed`).

@@ -206,23 +206,26 @@ def measure_stage(stage: nn.Module, received: tuple, loss_fn: Callable | None = 
     `loss_fn(outputs)` if given (the last stage's loss), and report what it keeps: the saved
     tensors, the received and sent ones that autograd does not save (`boundary_bytes`: the
     schedule holds a stage's inputs and outputs until its backward), and the largest
-    checkpointed layer's recomputation. No DWA buffers are looked for."""
+    checkpointed layer's recomputation; autocast's weight copies apart, as in
+    `measure_activations`. No DWA buffers are looked for."""
     exclude = model_storages(stage)
     recorder: list = []
     stage.recorder = recorder if stage.activation_checkpointing else None
+    casts = ParameterCasts(list(stage.parameters()))
     try:
-        with SavedTensorCounter(exclude) as counter:
+        with SavedTensorCounter(exclude) as counter, casts:
             outputs = stage(*received)
             loss = loss_fn(outputs) if loss_fn is not None else None
     finally:
         stage.recorder = None
-    saved = counter.alive()
+    copies = casts.copies()
+    saved = {k: v for k, v in counter.alive().items() if k not in copies}
     boundary = {k: n for k, n in {**_storages(received), **_storages(outputs)}.items()
-                if k not in saved and k not in exclude}
-    recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary))
+                if k not in saved and k not in exclude and k not in copies}
+    recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary) | set(copies))
     del loss
     return ActivationReport(
         saved_bytes=sum(n for n, _, _ in saved.values()), dwa_buffer_bytes=0,
         stored_outputs=0, recompute_bytes=recompute,
         largest=sorted(saved.values(), key=lambda item: -item[0])[:10],
-        boundary_bytes=sum(boundary.values()))
+        boundary_bytes=sum(boundary.values()), autocast_copy_bytes=sum(copies.values()))
