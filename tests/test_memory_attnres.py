@@ -10,7 +10,8 @@ outputs, as the schedule hands them over) and measured by `measure_stage`, again
 estimate of its pipeline rank with one micro-batch in flight: equal to the byte at fp32 in
 both modes that PP allows, for full and block AttnRes at PP = 2 and 3, raw X_j and consumer
 states (with their lse) crossing, interleaved stages summed per rank; within 5% with a bf16
-boundary under autocast (CPU autocast keeps one small fp32 tensor a block more).
+boundary under autocast (CPU autocast keeps one small fp32 tensor a block more); to the byte
+at TP = 2 with and without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -127,12 +128,12 @@ STAGE_CASES = {  # id -> (model, parallel overrides); what crosses each boundary
 }
 
 
-def stage_config(case: str, mode: str, *extra: str):
+def stage_config(case: str, mode: str, *extra: str, tp: int = 1):
     name, overrides = STAGE_CASES[case]
     model = {**MODELS, **STAGE_MODELS}[name]
     pp = int(overrides[0].rpartition("=")[2])
-    return config(*model, *overrides, f"parallel.activation_checkpointing={mode}", *extra,
-                  world_size=pp)
+    return config(*model, *overrides, f"parallel.activation_checkpointing={mode}",
+                  f"parallel.tp={tp}", *extra, world_size=tp * pp)
 
 
 def measured_stages(cfg, boundary_dtype: torch.dtype = torch.float32) -> list:
@@ -147,9 +148,10 @@ def measured_stages(cfg, boundary_dtype: torch.dtype = torch.float32) -> list:
     groups.ensure_initialized()
     p = cfg.parallel
     plan = build_plan(cfg.model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
-    model = StageModel(cfg.model, plan.programs, seed=1)
+    model = StageModel(cfg.model, plan.programs, seed=1,
+                       sequence_parallel=p.sequence_parallel)
     gen = torch.Generator().manual_seed(0)
-    micro_batch = micro_batch_size(p, cfg.train.batch_size, p.pp)  # DP = 1
+    micro_batch = micro_batch_size(p, cfg.train.batch_size, p.tp * p.pp)  # DP = 1
     batch = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1),
                           generator=gen)
     reports, outputs = [], (batch[:, :-1],)
@@ -233,3 +235,28 @@ def test_cli_pipeline_ranks_of_attnres():
                       "--set", "parallel.pp=2", "--world-size", "2")
     assert text.returncode == 0, text.stderr
     assert "rank 1:" in text.stdout and "in_flight_microbatches" in text.stdout
+
+
+def tp_stage_cases() -> dict:
+    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
+    out = {}
+    for case in ("full-pp2-states", "block-pp2-partial-states"):
+        for sp in (False, True):
+            for mode in ("none", "block"):
+                cfg = stage_config(case, mode,
+                                   f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+                out[(case, sp, mode)] = [r.total_bytes for r in measured_stages(cfg)]
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
+    """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): to the byte,
+    the mixes on this rank's sequence slice under SP."""
+    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=180)[0]
+    for (case, sp, mode), totals in measured.items():
+        cfg = stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+        world = 2 * cfg.parallel.pp
+        for pp_rank, total in enumerate(totals):
+            assert estimated(cfg, world, 2 * pp_rank).activation_bytes == total, (
+                case, sp, mode, pp_rank)

@@ -63,6 +63,7 @@ class ActivationShape(Protocol):
     hidden: int
     micro_batch: int
     seq: int
+    tp: int
     seq_split: int
     precision: object  # memory.Precision: param, stream, matmul bytes
     stream_tensor: int
@@ -228,7 +229,9 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
     terms = {"attnres_held": sum(tensor * itemsize[j] for j in made)}
     token_ids = 8 * shape.micro_batch * (shape.seq + 1)
     if program.is_first:
-        terms["token_ids"] = token_ids
+        # Under TP the vocabulary-parallel embedding also saves its shifted ids (int64) and
+        # the mask of ids outside this rank's shard (bool).
+        terms["token_ids"] = token_ids + (9 * shape.tokens if shape.tp > 1 else 0)
     mixes, merged = _stage_mixes(layout, program, received, shape)
     terms["attnres_mixes"] = mixes + (layout.n_sublayers + 1) * shape.hidden * \
         shape.precision.param  # the effective queries
