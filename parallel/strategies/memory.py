@@ -21,8 +21,8 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
   tensors under PP, and one unit's recompute working set.
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
-  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py;
-  refused with pipeline stages).
+  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
+  per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -378,12 +378,17 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
     if model.attnres_layout is not None:
-        per_micro, working = 0, 0
+        # One micro-batch's terms summed over the rank's stages ("/microbatch": shown, not
+        # summed into the total again).
+        per_term, working = {}, 0
         for s in plan.stages_of_rank(pp_rank):
             terms = attnres_stage_terms(model, shape, mode, plan.programs[s], boundary_bytes)
             working = max(working, terms.pop("recompute_working_set", 0))
-            per_micro += sum(terms.values())
-        return {"in_flight_microbatches": in_flight, "stages": in_flight * per_micro,
+            for name, value in terms.items():
+                per_term[name] = per_term.get(name, 0) + value
+        return {"in_flight_microbatches": in_flight,
+                "stages": in_flight * sum(per_term.values()),
+                **{f"{name}/microbatch": value for name, value in per_term.items()},
                 "recompute_working_set": working}
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
