@@ -31,15 +31,17 @@ Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers):
   the checkpoint's input) and that mix's own state (a span of one, outside the unit).
 
 A pipeline stage (`attnres_stage_terms`, the program of pretrain/model/attnres_program.py
-run by parallel/strategies/stage_model.py) keeps, per micro-batch: the X_j it makes (sub-layers
-2a - 1..2b of its blocks a..b), the tensors it receives (raw X_j or consumer states o_c, in
-the stream's dtype, plus the boundary dtype's copy when that is narrower, and the fp32 lse
-(n, tokens)), the mixes' state as above over the sources the stage reads (a received state
-stands for the completed sums before the boundary; merging it with the stage's own prefix,
-`merge_states`, saves the prefix's weighted means and lse and a per-token weight), the
-states and lse it sends, and its blocks: all their internals with `none`; with `block` (the
-pipeline checkpoints each branch, `_checkpointed`) each branch's input, the mix output, and
-one branch's recompute working set.
+run by parallel/strategies/stage_model.py) keeps, per micro-batch: the X_j it makes (X_0 too
+on the first stage); what it receives, raw X_j or consumer states o_c and their fp32 lse
+(n, tokens), held as its inputs, and widened to the stream's dtype on receipt where that is
+narrower and something keeps the widened tensor; the mixes' state as above over the sources
+it reads (a received state stands for the completed sums before the boundary; merging it
+with the stage's own prefix, `merge_states`, keeps that prefix's o, a per-token weight, and
+the prefix's lse where the merged lse is read); the states and lse it sends; and its
+branches, counted as the two halves (`ActivationShape.attention_branch`, `mlp_branch`) plus
+each branch's input, the mix output: all their internals with `none`; with `block` (the
+pipeline checkpoints each branch, `StageModule._checkpointed`) the inputs and one branch's
+recomputation. The last stage also holds Y_d, its output, until its backward.
 
 Checked against the autograd probe (parallel/strategies/memory_probe.py) in
 tests/test_memory_attnres.py, the whole model and each pipeline stage.
