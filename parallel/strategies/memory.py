@@ -21,8 +21,8 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   it computes in its forward, dL/dh and dL/dW, never the logits), received cross-stage
   tensors under PP, and one unit's recompute working set.
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
-  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py;
-  refused with pipeline stages).
+  X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
+  per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -63,7 +63,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallel.strategies.attnres_memory import attnres_activation_terms
+from parallel.strategies.attnres_memory import (
+    attnres_activation_terms,
+    attnres_stage_terms,
+)
 from parallel.strategies.config import ParallelSection
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -291,6 +294,32 @@ class ActivationShape:
         return norm_region + split + stats + lse
 
     @property
+    def attention_branch(self) -> int:
+        """Bytes the attention half of a block run alone (an AttnRes branch) keeps besides
+        its input: the norm's output and statistics, q and k after RoPE, the qkv output, the
+        attention output and the (tokens, H) copy of it that the projection reads (one
+        tensor more than `block` counts for the two halves' inputs: measured exactly)."""
+        s, p = self.tokens * self.hidden, self.precision
+        kv = s * (self.kv_heads or self.heads) // self.heads
+        attention = (s + kv + (s + 2 * kv) + 2 * s + 2 * (s - kv)) * p.matmul // self.tp
+        return attention + FP32 * self.tokens * (self.heads // self.tp) + self._norm_half
+
+    @property
+    def mlp_branch(self) -> int:
+        """Bytes the MLP half of a block run alone keeps besides its input: the norm's
+        output and statistics, the MLP's inputs to its nonlinearity and to fc_out."""
+        ffn = self.tokens * (self.ffn or self.mlp_ratio * self.hidden)
+        return (4 if self.llama else 2) * ffn * self.precision.matmul // self.tp + \
+            self._norm_half
+
+    @property
+    def _norm_half(self) -> int:
+        """One norm's output and statistics (and RMSNorm's normalised input)."""
+        s, p = self.tokens * self.hidden // self.seq_split, self.precision
+        stats = (1 if self.llama else 2) * FP32 * self.tokens // self.seq_split
+        return p.matmul * s + stats + (p.stream * s if self.llama else 0)
+
+    @property
     def head(self) -> int:
         """Bytes the final norm and the chunked LM-head loss keep (plus the token ids): Y_d
         and the norm's statistics, and the loss's gradients computed in its forward
@@ -348,6 +377,19 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
+    if model.attnres_layout is not None:
+        # One micro-batch's terms summed over the rank's stages ("/microbatch": shown, not
+        # summed into the total again).
+        per_term, working = {}, 0
+        for s in plan.stages_of_rank(pp_rank):
+            terms = attnres_stage_terms(model, shape, mode, plan.programs[s], boundary_bytes)
+            working = max(working, terms.pop("recompute_working_set", 0))
+            for name, value in terms.items():
+                per_term[name] = per_term.get(name, 0) + value
+        return {"in_flight_microbatches": in_flight,
+                "stages": in_flight * sum(per_term.values()),
+                **{f"{name}/microbatch": value for name, value in per_term.items()},
+                "recompute_working_set": working}
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream
@@ -399,10 +441,6 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
-    if p.pp > 1 and model.attnres_layout is not None:
-        raise ValueError(f"the training memory estimate of Attention Residuals with parallel.pp="
-                         f"{p.pp} is not available yet (docs/memory.md#attention-residuals): "
-                         "estimate pp=1, or measure a stage with python -m parallel.memory_probe")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []

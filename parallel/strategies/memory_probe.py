@@ -1,6 +1,7 @@
 """What autograd really keeps for one micro-batch: saved-activation bytes, measured.
 
     report = measure_activations(model, tokens, targets)    # an ActivationReport, bytes
+    report = measure_stage(stage, received, loss_fn)        # of one pipeline stage
 
 - `saved_bytes`: every tensor autograd saves for backward during the forward pass, seen by
   a `torch.autograd.graph.saved_tensors_hooks` counter, deduplicated by storage (a view
@@ -14,7 +15,10 @@
 - `recompute_bytes`: the largest working set of one checkpointed unit, measured by running
   each unit's function once more, outside the checkpoint, under the same counter (its kept
   inputs excluded): what backward holds on top of the kept tensors while it recomputes a unit.
-- `total_bytes` = saved + DWA buffers + recompute: the activation memory of the micro-batch.
+- `total_bytes` = saved + DWA buffers + boundary + recompute: the activation memory of the
+  micro-batch.
+- `boundary_bytes` (`measure_stage`, a pipeline stage): the received and sent tensors that
+  autograd does not save, which the pipeline holds until the stage's backward.
 - `autocast_copy_bytes`: under autocast, the low-precision copies of parameters that autocast
   makes (and caches until its region ends), seen as casts of a parameter by a dispatch mode;
   a copy that autograd also saves is counted here, not in `saved_bytes`. 0 without autocast.
@@ -47,15 +51,18 @@ class ActivationReport:
     recompute_bytes: int
     largest: list[tuple[int, tuple, str]] = field(default_factory=list, repr=False)
     autocast_copy_bytes: int = 0
+    boundary_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.saved_bytes + self.dwa_buffer_bytes + self.recompute_bytes
+        return self.saved_bytes + self.dwa_buffer_bytes + self.boundary_bytes + \
+            self.recompute_bytes
 
     def as_dict(self) -> dict:
         return {"saved_bytes": self.saved_bytes, "dwa_buffer_bytes": self.dwa_buffer_bytes,
                 "stored_outputs": self.stored_outputs, "recompute_bytes": self.recompute_bytes,
-                "autocast_copy_bytes": self.autocast_copy_bytes, "total_bytes": self.total_bytes}
+                "autocast_copy_bytes": self.autocast_copy_bytes,
+                "boundary_bytes": self.boundary_bytes, "total_bytes": self.total_bytes}
 
 
 class SavedTensorCounter:
@@ -64,14 +71,24 @@ class SavedTensorCounter:
     def __init__(self, exclude: set[int] = frozenset()):
         self.exclude = set(exclude)
         self.storages: dict[int, tuple[int, tuple, str]] = {}
+        self._saved: dict[int, list[weakref.ref]] = {}  # key -> the tensors saved with it
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self.exclude and key not in self.storages and storage.nbytes():
-            origin = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "leaf"
-            self.storages[key] = (storage.nbytes(), tuple(tensor.shape), origin)
+        if key not in self.exclude and storage.nbytes():
+            if key not in self.storages:
+                origin = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "leaf"
+                self.storages[key] = (storage.nbytes(), tuple(tensor.shape), origin)
+            self._saved.setdefault(key, []).append(weakref.ref(tensor))
         return tensor
+
+    def alive(self) -> dict[int, tuple[int, tuple, str]]:
+        """The `storages` some node still holds a tensor of: a node whose output was
+        dropped in the forward (a result nobody reads) frees what it saved, and its
+        storage's address may be reused by a tensor saved later."""
+        return {k: v for k, v in self.storages.items()
+                if any(ref() is not None for ref in self._saved[k])}
 
     @property
     def bytes(self) -> int:
@@ -154,13 +171,7 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         copies = casts.copies()
         saved = {k: v for k, v in counter.storages.items()
                  if k not in buffer_storages and k not in copies}
-        recompute = 0
-        for unit, inputs in recorder:
-            kept = exclude | set(saved) | set(buffer_storages) | {
-                t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-            with torch.random.fork_rng(devices=[]), SavedTensorCounter(kept) as unit_counter:
-                unit(*inputs)
-            recompute = max(recompute, unit_counter.bytes)
+        recompute = _recompute_bytes(recorder, exclude | set(saved) | set(buffer_storages))
         del loss
     largest = sorted(saved.values(), key=lambda item: -item[0])[:10]
     return ActivationReport(
@@ -169,3 +180,52 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
         stored_outputs=sum(v.shape[0] for b in buffers for v in b.values.values()),
         recompute_bytes=recompute, largest=largest,
         autocast_copy_bytes=sum(copies.values()))
+
+
+def _recompute_bytes(recorder: list, kept: set[int]) -> int:
+    """The largest working set of the recorded (unit, inputs): each run once more under the
+    counter, the `kept` storages and its own inputs excluded."""
+    recompute = 0
+    for unit, inputs in recorder:
+        own = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        with torch.random.fork_rng(devices=[]), SavedTensorCounter(kept | own) as counter:
+            unit(*inputs)
+        recompute = max(recompute, counter.bytes)
+    return recompute
+
+
+def _storages(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.Tensor)}
+
+
+def measure_stage(stage: nn.Module, received: tuple, loss_fn: Callable | None = None
+                  ) -> ActivationReport:
+    """Forward one micro-batch through a pipeline stage (parallel/strategies/stage_model.py
+    `StageModule`) from the `received` tensors (the tokens on the first stage), then through
+    `loss_fn(outputs)` if given (the last stage's loss), and report what it keeps: the saved
+    tensors, the received and sent ones that autograd does not save (`boundary_bytes`: the
+    schedule holds a stage's inputs and outputs until its backward), and the largest
+    checkpointed layer's recomputation; autocast's weight copies apart, as in
+    `measure_activations`. No DWA buffers are looked for."""
+    exclude = model_storages(stage)
+    recorder: list = []
+    stage.recorder = recorder if stage.activation_checkpointing else None
+    casts = ParameterCasts(list(stage.parameters()))
+    try:
+        with SavedTensorCounter(exclude) as counter, casts:
+            outputs = stage(*received)
+            loss = loss_fn(outputs) if loss_fn is not None else None
+    finally:
+        stage.recorder = None
+    copies = casts.copies()
+    saved = {k: v for k, v in counter.alive().items() if k not in copies}
+    boundary = {k: n for k, n in {**_storages(received), **_storages(outputs)}.items()
+                if k not in saved and k not in exclude and k not in copies}
+    recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary) | set(copies))
+    del loss
+    return ActivationReport(
+        saved_bytes=sum(n for n, _, _ in saved.values()), dwa_buffer_bytes=0,
+        stored_outputs=0, recompute_bytes=recompute,
+        largest=sorted(saved.values(), key=lambda item: -item[0])[:10],
+        boundary_bytes=sum(boundary.values()), autocast_copy_bytes=sum(copies.values()))

@@ -132,6 +132,9 @@ class StageModule(nn.Module):
         self.program = program
         self.activation_checkpointing = activation_checkpointing
         self.boundary_dtype = boundary_dtype  # what this stage sends (parallel.pipeline_dtype)
+        # (layer, (input,)) of each checkpointed call when set: the memory probe measures
+        # their recomputation (parallel/strategies/memory_probe.py `measure_stage`).
+        self.recorder: list | None = None
         # The buffered DWA's plan for this stage's partial DWAs (as in the whole model).
         self.dwa_layout = buffer_layout(program.dwa_reads(), model.dwa_pattern.dilation)
 
@@ -162,7 +165,7 @@ class StageModule(nn.Module):
                 model.config.dwa_impl)
         out = run_program(program, model.block, connections, x,
                           None if model.attnres_query is not None else sums,
-                          call=_checkpointed if self.activation_checkpointing else None)
+                          call=self._checkpointed if self.activation_checkpointing else None)
         if program.is_last:  # (B, S, H), or (S / TP, B, H) under sequence parallelism
             # The weight as a view: the schedule detaches the last stage's outputs in place
             # after their backward, which would take the parameter itself out of autograd.
@@ -174,6 +177,12 @@ class StageModule(nn.Module):
                      for t in (t.to(dtype) for t, dtype in zip(
                          out, boundary_dtypes(program.outgoing, self.boundary_dtype),
                          strict=True)))
+
+    def _checkpointed(self, layer, y: torch.Tensor) -> torch.Tensor:
+        """A layer recomputed in backward (`parallel.activation_checkpointing: block`)."""
+        if self.recorder is not None:
+            self.recorder.append((layer, (y,)))
+        return checkpoint(layer, y, use_reentrant=False)
 
     def _attnres_connections(self, received: dict) -> AttnResConnections:
         """The AttnRes state of this stage: its consumers, the consumer states it receives
@@ -196,8 +205,3 @@ def boundary_dtypes(items, dtype: torch.dtype) -> list[torch.dtype]:
     """The dtype each item crosses a boundary in: `dtype` (parallel.pipeline_dtype), fp32
     for the per-token AttnRes lse (it enters an exponential; it is small)."""
     return [torch.float32 if item.kind == "lse" else dtype for item in items]
-
-
-def _checkpointed(layer, y: torch.Tensor) -> torch.Tensor:
-    """A layer recomputed in backward (`parallel.activation_checkpointing: block`)."""
-    return checkpoint(layer, y, use_reentrant=False)
