@@ -43,12 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pretrain.model.program import Item, StageProgram, stage_program
+from pretrain.model.program import TRANSFER_MODES, Item, StageProgram, stage_program
 
 if TYPE_CHECKING:
     from pretrain.model.dwa_pattern import DWAPattern
-
-TRANSFER_MODES = ("optimal", "raw")
 
 
 def _ordered(items) -> tuple[Item, ...]:

@@ -28,9 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.model.attnres_layout import AttnResLayout
-from pretrain.model.program import Item, Source, StageProgram, Step
-
-TRANSFER_MODES = ("optimal", "raw")  # as the DWA's (parallel.pp_transfer)
+from pretrain.model.program import TRANSFER_MODES, Item, Source, StageProgram, Step
 
 
 @dataclass(frozen=True)

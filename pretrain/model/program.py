@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
     from pretrain.model.dwa_pattern import DWAPattern
 
+# How a stage boundary's state is chosen (parallel.pp_transfer): the fewest tensors, or the
+# raw X_j (the reference); parallel/strategies/stage_state.py for the DWA,
+# pretrain/model/attnres_program.py for Attention Residuals.
+TRANSFER_MODES = ("optimal", "raw")
+
 
 class Item(NamedTuple):
     """One tensor crossing a stage boundary: `("x", j)` is X_j itself; `("sum", c)` is the
