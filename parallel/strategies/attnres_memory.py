@@ -15,9 +15,10 @@ consumers 1..L + 1, groups of S sub-layers, X_j the held running sums). Per toke
   narrower (a bf16 module: the mix output is h cast to bf16);
 - the effective queries w_c * g_c, (L + 1, H) in the parameters' dtype, once.
 
-A block run as its two branches keeps what a whole block keeps (`ActivationShape.block`):
-the two mix outputs take the places of the block input and of the residual stream between
-its sub-layers.
+A block runs as its two branches (`ActivationShape.attention_branch`, `mlp_branch`), each
+keeping its input, the mix output (a stream tensor: the mix casts to its sources' dtype):
+one tensor more than `ActivationShape.block`, the (tokens, H) copy of the attention output
+that the projection reads.
 
 Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers):
 
@@ -128,7 +129,7 @@ def attnres_activation_terms(model: DenseFormerConfig, shape: ActivationShape, m
     if mode == "none":
         terms["attnres_held"] = held_bytes(set(range(final)), shape)
         terms["attnres_mixes"] = mix_state_bytes(layout, consumers, final, shape) + queries
-        terms["blocks"] = model.n_layers * shape.block
+        terms["blocks"] = model.n_layers * _block_bytes(shape)
         return terms
     held: set[int] = set()
     outside = [final]  # consumers mixed outside every unit
@@ -140,28 +141,24 @@ def attnres_activation_terms(model: DenseFormerConfig, shape: ActivationShape, m
         if mode == "block":
             outside.append(first_sub)
         made = held_bytes(set(range(first_sub, last_sub)), shape)  # all but the last
-        unit_working = (len(unit) * shape.block + made
+        unit_working = (len(unit) * _block_bytes(shape) + made
                         + mix_state_bytes(layout, inside, last_sub, shape))
         if mode == "block":
-            unit_working -= _mix_output_bytes(layout, first_sub, shape)  # a kept input
+            unit_working -= shape.stream_tensor  # a kept input
         working = max(working, unit_working)
     terms["attnres_held"] = held_bytes(held, shape)
     terms["attnres_mixes"] = queries + sum(mix_state_bytes(layout, range(c, c + 1), 0, shape)
                                            for c in outside)
     if mode == "block":
-        terms["checkpoint_boundaries"] = sum(_mix_output_bytes(layout, 2 * u.start - 1, shape)
+        terms["checkpoint_boundaries"] = sum(shape.stream_tensor
                                              for u in units)
     terms["recompute_working_set"] = working
     return terms
 
 
-def _mix_output_bytes(layout: AttnResLayout, c: int, shape: ActivationShape) -> int:
-    """Bytes of consumer c's mix output: fp32 at least (the mix promotes its sources to
-    fp32), a stream tensor when it opens a group (its prefix, cast to the sources' dtype)."""
-    if c - 1 == _group_first(layout, c):
-        return shape.stream_tensor
-    tokens = shape.tokens // shape.seq_split
-    return tokens * shape.hidden * max(FP32, shape.precision.stream)
+def _block_bytes(shape: ActivationShape) -> int:
+    """Bytes one non-checkpointed block keeps: its two branches and their inputs."""
+    return 2 * shape.stream_tensor + shape.attention_branch + shape.mlp_branch
 
 
 def _span_state(g: int, n: int, tokens: int) -> int:
@@ -258,7 +255,7 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
 
     # Each branch's input is its mix output: kept by the branch (`none`) or as the input of
     # its checkpoint (`block`, the pipeline's `_checkpointed`).
-    inputs = sum(_mix_output_bytes(layout, c, shape) for c in range(lo, hi + 1))
+    inputs = (hi - lo + 1) * shape.stream_tensor
     n_blocks = program.last - program.first + 1
     if mode == "none":
         terms["blocks"] = inputs + n_blocks * (shape.attention_branch + shape.mlp_branch)
