@@ -6,7 +6,6 @@ block's partial sum), keyed by RMSNorm with a learned weight, queried by a learn
 import pytest
 import torch
 
-from pretrain.model.attnres import depth_softmax
 from pretrain.model.attnres_layout import AttnResLayout
 from pretrain.model.config import DenseFormerConfig, ModelConfigError
 from pretrain.model.denseformer import DenseFormer
@@ -100,19 +99,22 @@ def test_equals_the_transformer_at_init(blocks, block):
     assert ((ours - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_mix_gradients_by_gradcheck():
-    gen = torch.Generator().manual_seed(3)
-    xs = [torch.randn(2, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-          for _ in range(4)]
-    q = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda q, *xs: depth_softmax(q, list(xs), 1e-6), (q, *xs))
+def softmax_mix(query, xs, eps):
+    """One consumer's mix in plain autograd ops: softmax_j(q . X_j / rms(X_j)) over the
+    stacked sources, in fp32 at least."""
+    v = torch.stack([x.to(torch.promote_types(x.dtype, torch.float32)) for x in xs])
+    keys = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+    a = torch.softmax(keys @ query.to(v.dtype), dim=0)
+    return (a.unsqueeze(-1) * v).sum(0)
 
 
-def test_mix_keeps_the_sources_dtype_and_sums_in_fp32():
+def test_prefix_sums_in_fp32_over_mixed_dtypes():
+    from pretrain.model.attnres_mix import group_prefix
+
     xs = [torch.randn(4, 8).bfloat16(), torch.randn(4, 8)]
-    h = depth_softmax(torch.zeros(8), xs, 1e-5)
-    assert h.dtype == torch.float32
-    torch.testing.assert_close(h, (xs[0].float() + xs[1]) / 2)
+    [(o, lse)] = group_prefix(torch.zeros(1, 8), xs, 1e-5)
+    assert o.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(o, (xs[0].float() + xs[1]) / 2)
 
 
 def test_layout_sources():
@@ -162,7 +164,7 @@ def test_connection_wins_over_the_dwa_shorthand():
 def test_two_phases_by_gradcheck():
     """Phase 1 (every consumer of a group over the completed sums) and phase 2 (one more
     source merged into a prefix) against finite differences, and their composition
-    against the one-phase softmax."""
+    against the softmax over all the sources at once."""
     from pretrain.model.attnres_mix import group_prefix, merge_partial
 
     gen = torch.Generator().manual_seed(5)
@@ -179,6 +181,6 @@ def test_two_phases_by_gradcheck():
 
     assert torch.autograd.gradcheck(both, (queries, p, *xs))
     for k, (o, lse) in enumerate(group_prefix(queries, xs, 1e-6)):
-        torch.testing.assert_close(o.reshape(p.shape), depth_softmax(queries[k], xs, 1e-6))
+        torch.testing.assert_close(o.reshape(p.shape), softmax_mix(queries[k], xs, 1e-6))
         torch.testing.assert_close(merge_partial(o, lse, p, queries[k], 1e-6),
-                                   depth_softmax(queries[k], [*xs, p], 1e-6))
+                                   softmax_mix(queries[k], [*xs, p], 1e-6))

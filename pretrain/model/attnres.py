@@ -12,12 +12,11 @@ pre-norm, the model equals the Transformer up to the norms' eps) and g_c its key
 weight (ones at init). `w_c * g_c` is one effective query, so each source's key costs one
 dot product and its RMS.
 
-Here: the model's parameters (`AttnResWeights`), the mix as one autograd function over the
-stacked sources (`depth_softmax`: stacks them for the forward and again for the backward,
-and saves only the sources themselves, which the program holds anyway, plus per-token
-scalars), and the connection state that the block program's interpreter runs
-(`AttnResConnections`, pretrain/model/program.py), whole or as a pipeline stage. The
-program itself and what crosses a stage boundary: attnres_program.py.
+Here: the model's parameters (`AttnResWeights`), the weights of one consumer's mix for
+analysis (`depth_weights`), and the connection state that the block program's interpreter
+runs (`AttnResConnections`, pretrain/model/program.py), whole or as a pipeline stage: the
+mix itself in two phases is attnres_mix.py; the program and what crosses a stage boundary,
+attnres_program.py.
 """
 
 from __future__ import annotations
@@ -29,7 +28,13 @@ import torch
 from torch import nn
 
 from pretrain.model.attnres_layout import AttnResLayout
-from pretrain.model.attnres_mix import group_prefix, merge_partial, merge_states
+from pretrain.model.attnres_mix import (
+    group_prefix,
+    merge_partial,
+    merge_states,
+    mix_logits,
+    token_major,
+)
 from pretrain.model.program import Source
 
 QUERY, KEY_NORM = "attnres_query", "attnres_key_norm"  # parameter names (init, optimizer)
@@ -47,65 +52,12 @@ class AttnResWeights:
         return nn.Parameter(torch.zeros(shape)), nn.Parameter(torch.ones(shape))
 
 
-def _stacked(xs) -> torch.Tensor:
-    """The sources as one (n, T, H) tensor (T: every leading dim), in fp32 at least (bf16
-    branch outputs under autocast meet an fp32 embedding)."""
-    dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs), torch.float32)
-    return torch.stack([x.to(dtype).reshape(-1, x.shape[-1]) for x in xs])
-
-
-def _logits(v: torch.Tensor, q: torch.Tensor, eps: float):
-    """(s, r): the logits r_j (q . X_j) and r_j = rsqrt(mean(X_j^2) + eps), each (n, T)."""
-    width = v.shape[-1]
-    r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / width + eps)
-    return (v @ q.to(v.dtype)) * r, r
-
-
-class _DepthSoftmax(torch.autograd.Function):
-    """h = sum_j a_j X_j, a = softmax_j(r_j (q . X_j)), r_j = rsqrt(mean(X_j^2) + eps); the
-    arithmetic in fp32 (fp64 for fp64 sources), the result in the sources' dtype. Every
-    op reads the stacked sources whole (a matrix-vector product, a norm, one weighted sum),
-    and the backward writes the sources' gradients with in-place updates, no further
-    hidden-size temporaries."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, eps: float, *xs: torch.Tensor) -> torch.Tensor:
-        v = _stacked(xs)  # freed on return
-        s, r = _logits(v, q, eps)
-        a = torch.softmax(s, dim=0)
-        h = (a.unsqueeze(-1) * v).sum(0)
-        ctx.save_for_backward(q, a, r, s, *xs)
-        dtype = functools.reduce(torch.promote_types, (x.dtype for x in xs))
-        return h.to(dtype).reshape(xs[0].shape)
-
-    @staticmethod
-    def backward(ctx, dh: torch.Tensor):
-        q, a, r, s, *xs = ctx.saved_tensors
-        v = _stacked(xs)
-        dh = dh.to(v.dtype).reshape(v.shape[1:])
-        da = torch.linalg.vecdot(v, dh)
-        ds = a * (da - (a * da).sum(0, keepdim=True))
-        dsr = ds * r
-        dq = None
-        if ctx.needs_input_grad[0]:
-            dq = (dsr.reshape(1, -1) @ v.reshape(-1, v.shape[-1])).reshape(q.shape).to(q.dtype)
-        # dX_j = a_j dh + ds_j (r_j q - s_j r_j^2 X_j / H), built in v's storage.
-        dv = v.mul_((dsr * s * r / -v.shape[-1]).unsqueeze(-1))
-        dv.addcmul_(a.unsqueeze(-1), dh).addcmul_(dsr.unsqueeze(-1), q.to(v.dtype))
-        return (dq, None, *(dv[n].reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[2 + n]
-                            else None for n, x in enumerate(xs)))
-
-
-def depth_softmax(query: torch.Tensor, xs: list[torch.Tensor], eps: float) -> torch.Tensor:
-    """The AttnRes mix of the sources `xs` (each (..., H)) for the effective query (H,)."""
-    return _DepthSoftmax.apply(query, eps, *xs)
-
-
 def depth_weights(query: torch.Tensor, xs: list[torch.Tensor], eps: float) -> torch.Tensor:
-    """The softmax weights a_j of `depth_softmax` (n, ...), for analysis (no gradient)."""
+    """The softmax weights a_j of the mix over the sources `xs` (each (..., H)) for the
+    effective query (H,), as (n, ...): for analysis (no gradient)."""
     with torch.no_grad():
-        s, _ = _logits(_stacked(xs), query, eps)
-        return torch.softmax(s, dim=0).reshape(len(xs), *xs[0].shape[:-1])
+        s, _ = mix_logits(token_major(xs), query.unsqueeze(0), eps)  # (T, n, 1)
+        return torch.softmax(s[..., 0], dim=1).T.reshape(len(xs), *xs[0].shape[:-1])
 
 
 class AttnResConnections:

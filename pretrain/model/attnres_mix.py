@@ -4,7 +4,7 @@ inference forward alike: what `AttnResConnections` (pretrain/model/attnres.py) r
 Every consumer of one group reads the same completed group sums C = (X_0, X_S, ...,
 X_{(g-1)S}) and, past the group's first sub-layer, its own partial sum p. So:
 
-1. `group_prefix`: once per group, when its last completed sum is made, all S consumers'
+1. `group_prefix`: once per group, when its first consumer is mixed, all S consumers'
    softmax over C at once: for consumer k the weighted mean o_k = sum_j a_kj X_j and the
    log-sum-exp of its logits, lse_k. The sources are stacked once, token-major (T, g, H), so
    the logits are one matrix product and the S weighted means one batched product, instead
@@ -45,13 +45,13 @@ def _compute_dtype(xs) -> torch.dtype:
     return functools.reduce(torch.promote_types, (x.dtype for x in xs), torch.float32)
 
 
-def _token_major(xs) -> torch.Tensor:
+def token_major(xs) -> torch.Tensor:
     """The sources as one (T, g, H) tensor, T every leading dim, in the compute dtype."""
     dtype = _compute_dtype(xs)
     return torch.stack([x.to(dtype).reshape(-1, x.shape[-1]) for x in xs], dim=1)
 
 
-def _logits(v: torch.Tensor, queries: torch.Tensor, eps: float):
+def mix_logits(v: torch.Tensor, queries: torch.Tensor, eps: float):
     """(s, r) for sources v (T, g, H) and queries (S, H): s (T, g, S) = r (q . X), r (T, g)."""
     t, g, width = v.shape
     r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / width + eps)
@@ -68,8 +68,8 @@ class _GroupPrefix(torch.autograd.Function):
     @staticmethod
     @_without_autocast
     def forward(ctx, queries: torch.Tensor, eps: float, *xs: torch.Tensor):
-        v = _token_major(xs)
-        s, r = _logits(v, queries, eps)
+        v = token_major(xs)
+        s, r = mix_logits(v, queries, eps)
         lse = torch.logsumexp(s, dim=1)  # (T, S)
         a = torch.exp(s - lse.unsqueeze(1))  # (T, g, S)
         o = torch.bmm(a.transpose(1, 2), v).transpose(0, 1)  # (S, T, H) view
@@ -81,7 +81,7 @@ class _GroupPrefix(torch.autograd.Function):
     @_without_autocast
     def backward(ctx, *grads: torch.Tensor | None):
         queries, a, r, s, *xs = ctx.saved_tensors
-        v = _token_major(xs)
+        v = token_major(xs)
         t, g, width = v.shape
         n_out = a.shape[2]
         do = _stacked_grads(grads[:n_out], (t, width), v)
