@@ -63,10 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallel.strategies.attnres_memory import (
-    attnres_activation_terms,
-    attnres_stage_terms,
-)
+from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -276,15 +273,10 @@ class ActivationShape:
         """Bytes one non-checkpointed block keeps."""
         s, p = self.tokens * self.hidden, self.precision
         norm_region = (2 * p.stream + 2 * p.matmul) * s // self.seq_split  # x, h, 2 LN outs
-        kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
         ffn = self.tokens * (self.ffn or self.mlp_ratio * self.hidden)
-        # q, k after RoPE, the qkv output (q, k, v), the attention output; the MLP's inputs
-        # to its nonlinearity and fc_out: GELU's 2, SwiGLU's 4 (gate, up, silu, product).
-        attention = s + kv + (s + 2 * kv) + s
-        # Grouped-query attention: SDPA's CPU path repeats k and v to every query head and
-        # keeps the copies (fused GPU kernels need not).
-        attention += 2 * (s - kv)
-        split = (attention + (4 if self.llama else 2) * ffn) * p.matmul // self.tp
+        # The MLP's inputs to its nonlinearity and fc_out: GELU's 2, SwiGLU's 4 (gate, up,
+        # silu, product).
+        split = (self._attention_elements + (4 if self.llama else 2) * ffn) * p.matmul // self.tp
         # Per token: mean and rstd of two LayerNorms, or the rstd of two RMSNorms, whose
         # composite form also keeps the normalised input beside its output (one tensor each).
         stats = (2 if self.llama else 4) * FP32 * self.tokens // self.seq_split
@@ -294,14 +286,22 @@ class ActivationShape:
         return norm_region + split + stats + lse
 
     @property
+    def _attention_elements(self) -> int:
+        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v), the
+        attention output and, for grouped-query attention, the copies of k and v repeated
+        to every query head that SDPA's CPU path keeps (fused GPU kernels need not)."""
+        s = self.tokens * self.hidden
+        kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
+        return s + kv + (s + 2 * kv) + s + 2 * (s - kv)
+
+    @property
     def attention_branch(self) -> int:
         """Bytes the attention half of a block run alone (an AttnRes branch) keeps besides
         its input: the norm's output and statistics, q and k after RoPE, the qkv output, the
         attention output and the (tokens, H) copy of it that the projection reads (one
         tensor more than `block` counts for the two halves' inputs: measured exactly)."""
-        s, p = self.tokens * self.hidden, self.precision
-        kv = s * (self.kv_heads or self.heads) // self.heads
-        attention = (s + kv + (s + 2 * kv) + 2 * s + 2 * (s - kv)) * p.matmul // self.tp
+        copy = self.tokens * self.hidden
+        attention = (self._attention_elements + copy) * self.precision.matmul // self.tp
         return attention + FP32 * self.tokens * (self.heads // self.tp) + self._norm_half
 
     @property
@@ -378,18 +378,8 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
     if model.attnres_layout is not None:
-        # One micro-batch's terms summed over the rank's stages ("/microbatch": shown, not
-        # summed into the total again).
-        per_term, working = {}, 0
-        for s in plan.stages_of_rank(pp_rank):
-            terms = attnres_stage_terms(model, shape, mode, plan.programs[s], boundary_bytes)
-            working = max(working, terms.pop("recompute_working_set", 0))
-            for name, value in terms.items():
-                per_term[name] = per_term.get(name, 0) + value
-        return {"in_flight_microbatches": in_flight,
-                "stages": in_flight * sum(per_term.values()),
-                **{f"{name}/microbatch": value for name, value in per_term.items()},
-                "recompute_working_set": working}
+        programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
+        return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream
