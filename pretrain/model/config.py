@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pretrain.model.attnres_layout import AttnResLayout
 from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
+from pretrain.model.mudd_program import MuddLayout
 
 RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
 
@@ -112,7 +113,7 @@ class DenseFormerConfig:
     # The depth connection (docs/connections.md): none (a Transformer's residual stream),
     # dwa (DenseFormer's depth weighted averages) or attnres (Attention Residuals). null:
     # the shorthand `dwa` decides (true: dwa, false: none).
-    connection: Literal["none", "dwa", "attnres"] | None = None
+    connection: Literal["none", "dwa", "attnres", "mudd"] | None = None
     # Depth weighted averages: dilation k, period p ("k x p"); dwa=False is a plain Transformer.
     dwa: bool = True
     dwa_dilation: int = ranged(1, ge=1)
@@ -132,6 +133,11 @@ class DenseFormerConfig:
     # Attention Residuals: null is full AttnRes (each sub-layer attends over every earlier
     # sub-layer output); N is block AttnRes over N groups of sub-layers (N divides 2 x n_layers).
     attnres_blocks: int | None = ranged(None, ge=1, also="divides 2 x n_layers")
+    # MUDD (MUltiway Dynamic Dense connections): null is true (per-token weights); false is
+    # the static ablation. Streams: qkvr mixes the query, key, value and residual inputs of
+    # each block apart; r the residual alone (pretrain/model/mudd.py). null: qkvr.
+    mudd_dynamic: bool | None = None
+    mudd_streams: Literal["qkvr", "r"] | None = None
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
     mlp_ratio: int = ranged(4, ge=1)
@@ -185,6 +191,12 @@ class DenseFormerConfig:
         if self.attnres_blocks is not None and (2 * self.n_layers) % self.attnres_blocks:
             raise ModelConfigError("attnres_blocks", f"{self.attnres_blocks} blocks do not "
                                    f"divide the {2 * self.n_layers} sub-layers (2 x n_layers)")
+        if self.mudd_streams not in (None, "qkvr", "r"):
+            raise ModelConfigError("mudd_streams",
+                                   f"must be qkvr or r (or null), got {self.mudd_streams!r}")
+        if self.mudd_dynamic not in (None, True, False):
+            raise ModelConfigError("mudd_dynamic",
+                                   f"must be true or false (or null), got {self.mudd_dynamic!r}")
         if self.skip_gains and self.depth_connection != "none":
             raise ModelConfigError("skip_gains", "is a Transformer baseline: set dwa=false "
                                                  "(or connection=none)")
@@ -238,6 +250,10 @@ class DenseFormerConfig:
         if kind == "attnres":
             n = self.attnres_blocks
             return "AttnRes full" if n is None else f"AttnRes block {n}"
+        if kind == "mudd":
+            layout = self.mudd_layout
+            return ("MUDD" + ("" if layout.dynamic else " static")
+                    + ("" if layout.streams == "qkvr" else " r"))
         return "Transformer"
 
     @property
@@ -292,6 +308,14 @@ class DenseFormerConfig:
             return None
         return AttnResLayout(self.n_layers, self.attnres_blocks)
 
+    @property
+    def mudd_layout(self) -> MuddLayout | None:
+        """The streams and mixes of a MUDD model; None under another connection."""
+        if self.depth_connection != "mudd":
+            return None
+        return MuddLayout(self.n_layers, self.mudd_streams or "qkvr",
+                          self.mudd_dynamic is not False)
+
     def block_matmul_params(self) -> int:
         """Weights of one block's matmuls: q, k, v, output projection and the MLP."""
         h, kv = self.d_model, self.kv_heads * self.head_dim
@@ -303,12 +327,16 @@ class DenseFormerConfig:
         head counts as embedding)."""
         h = self.d_model
         per_block = self.block_matmul_params() + 2 * h  # + 2 norms
+        if self.mudd_layout is not None:
+            per_block += self.mudd_layout.block_norms * h  # the key and value inputs' norms
         if self.skip_gains:
             per_block += 2
         n = self.n_layers * per_block + h  # + final norm
         n += self.dwa_pattern.n_connections  # the learned alphas
         if self.attnres_layout is not None:
             n += self.attnres_layout.n_params(h)
+        if self.mudd_layout is not None:
+            n += self.mudd_layout.n_params(h)
         if not non_embedding:
             n += self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
@@ -320,7 +348,9 @@ class DenseFormerConfig:
         and values (nanoGPT/PaLM convention, causal mask not discounted) + 6 * d_model *
         (number of alpha connections) for the DWAs (one multiply-add per connection), or
         for Attention Residuals 6 * d_model * 2 * (sources summed over consumers): a
-        multiply-add for each source's logit and one for its share of the sum.
+        multiply-add for each source's logit and one for its share of the sum; for MUDD
+        6 * (sum_i C_i (i + 1) d_model (the mixes) + sum_i K_i (d_model + K_i) (the dynamic
+        weights' MLP, none when static)), `MuddLayout.mix_macs`.
         """
         h = self.d_model
         matmul = self.n_layers * self.block_matmul_params() + self.padded_vocab_size * h
@@ -328,13 +358,15 @@ class DenseFormerConfig:
         depth = self.dwa_pattern.n_connections * h
         if self.attnres_layout is not None:
             depth += 2 * self.attnres_layout.n_reads() * h
+        if self.mudd_layout is not None:
+            depth += self.mudd_layout.mix_macs(h)
         return 6.0 * matmul + attention + 6.0 * depth
 
 
-CONNECTIONS = ("none", "dwa", "attnres")
+CONNECTIONS = ("none", "dwa", "attnres", "mudd")
 # Keys of one connection that must stay null under another (the DWA's own keys predate the
 # interface and have defaults: `DWA_KEYS`, ignored with a warning instead).
-CONNECTION_KEYS = {"attnres_blocks": "attnres"}
+CONNECTION_KEYS = {"attnres_blocks": "attnres", "mudd_dynamic": "mudd", "mudd_streams": "mudd"}
 DWA_KEYS = ("dwa_dilation", "dwa_period", "dwa_window", "dwa_init_offdiag", "dwa_dtype",
             "dwa_impl")
 

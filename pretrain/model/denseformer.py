@@ -1,5 +1,5 @@
 """DenseFormer language model (a plain Transformer when `dwa=False`; Attention Residuals
-when `connection=attnres`).
+when `connection=attnres`; MUDD when `connection=mudd`).
 
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
     logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
@@ -36,6 +36,8 @@ from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import vocab_embedding
 from pretrain.model.lm_parts import lm_head, mark_tensor_parallel, megatron_config
+from pretrain.model.mudd import MuddConnections, MuddWeights
+from pretrain.model.mudd_program import mudd_program
 from pretrain.model.program import model_program, run_program
 from pretrain.model.rotary import RotaryEmbedding
 
@@ -77,6 +79,11 @@ class DenseFormer(nn.Module):
             self.program = attnres_program(cfg.attnres_layout)
             self.attnres_query, self.attnres_key_norm = AttnResWeights(
                 cfg.attnres_layout, cfg.d_model).new_parameters()
+        self.mudd_static = self.mudd_w1 = self.mudd_w2 = None
+        if cfg.mudd_layout is not None:  # MUDD (pretrain/model/mudd.py)
+            self.program = mudd_program(cfg.mudd_layout)
+            self.mudd_static, self.mudd_w1, self.mudd_w2 = MuddWeights.new_parameters(
+                cfg.mudd_layout, cfg.d_model)
         # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks runs
         # the program in checkpointed units.
         self.activation_checkpointing = None
@@ -113,7 +120,12 @@ class DenseFormer(nn.Module):
 
     def training_connections(self, like: torch.Tensor, functional: bool):
         """The connection state of one training forward pass: the DWAs'
-        (pretrain/model/dwa.py) or Attention Residuals' (pretrain/model/attnres.py)."""
+        (pretrain/model/dwa.py), Attention Residuals' (pretrain/model/attnres.py) or
+        MUDD's (pretrain/model/mudd.py)."""
+        if self.mudd_static is not None:
+            return MuddConnections((self.mudd_static, self.mudd_w1, self.mudd_w2),
+                                   self.config.mudd_layout, self.config.norm_eps, like,
+                                   functional)
         if self.attnres_query is not None:
             return AttnResConnections(self.attnres_query, self.attnres_key_norm,
                                       self.config.norm_eps, self.config.attnres_layout)
@@ -177,7 +189,8 @@ class DenseFormer(nn.Module):
         decoding step) uses the cache's fixed `DecodeDWAState`."""
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
-        if self.attnres_query is not None:  # per token: the KV cache is all the state
+        if self.attnres_query is not None or self.mudd_static is not None:
+            # Per token: the KV cache is all the state.
             y = run_program(self.program, self.block, self.training_connections(x0, False),
                             {0: x0}, kv=cache.layers)
             return self.head(y[:, -1:] if last_only else y)

@@ -5,7 +5,9 @@ then this rank's tensor-parallel shard is taken, so every layout (TP, PP, DP) st
 single-process weights. GPT-2 init: N(0, std) for matmul weights and the embedding,
 N(0, std / sqrt(2 d)) for the residual output projections, ones for norms and gains, and the
 DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1);
-zeros for the Attention Residuals queries (their key norms: ones, as every norm).
+zeros for the Attention Residuals queries (their key norms: ones, as every norm); for MUDD
+(pretrain/model/mudd.py) the static weights a_i 1 on X_i and 0 elsewhere, W1_i N(0, std),
+W2_i zeros (so the model equals the Transformer at init).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Iterable
 import torch
 
 from pretrain.model.config import DenseFormerConfig
+from pretrain.model.mudd import initial_static
 
 _RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc_out.weight")
 _NORMAL = ("attn.qkv.weight", "mlp.fc_in.weight", "mlp.gate.weight", "mlp.up.weight",
@@ -49,7 +52,11 @@ def full_init_value(name: str, shape: tuple[int, ...], cfg: DenseFormerConfig, s
         return torch.tensor(cfg.dwa_pattern.initial_alpha(), device="cpu")
     if name == "attnres_query":  # uniform depth attention at init (pretrain/model/attnres.py)
         return torch.zeros(shape)
-    if name.endswith(_NORMAL):
+    if name.startswith("mudd_static."):
+        return initial_static(shape)
+    if name.startswith("mudd_w2."):
+        return torch.zeros(shape)
+    if name.endswith(_NORMAL) or name.startswith("mudd_w1."):
         std = cfg.init_std
         if name.endswith(_RESIDUAL_PROJECTIONS):
             std /= math.sqrt(2 * cfg.n_layers)

@@ -15,6 +15,13 @@ g * (n_heads / n_kv_heads) + j, as in transformers' `repeat_kv`. `attn.proj.weig
 output projection (o_proj); llama's `mlp.gate.weight`, `mlp.up.weight`, `mlp.fc_out.weight`
 are gate_proj, up_proj, down_proj; `norm_attn` and `norm_mlp` are the input and
 post-attention norms.
+
+Under MUDD with the qkvr streams (pretrain/model/mudd.py) a block reads four inputs, a tuple
+(Y^Q, Y^K, Y^V, Y^R): H = Y^R + Attn(N_q(Y^Q), N_k(Y^K), N_v(Y^V)), X = H + MLP(N(H)), with
+`norm_attn` as N_q and `norm_k`, `norm_v` the key and value inputs' own norms (every block
+has them; block 1 reads X_0 for all four). The fused QKV weight is then applied to three
+inputs as three matmuls of its query, key and value rows (`Attention.project_qkv`): the
+FLOPs of one.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from torch import nn
 
 from parallel.primitives.tensor import tp_rank_rng
@@ -49,12 +57,13 @@ class Attention(nn.Module):
         self.qkv = column_linear(cfg.d_model, width, mp, tp_group)
         self.proj = row_linear(cfg.d_model, cfg.d_model, mp, tp_group)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, kv=None) -> torch.Tensor:
+    def forward(self, x, rope: RotaryEmbedding, kv=None) -> torch.Tensor:
         """`kv`: this block's view of a KV cache (pretrain/generation.py `LayerKVCache`) for
-        a cached inference step; None (training, full forward) attends causally within x."""
+        a cached inference step; None (training, full forward) attends causally within x.
+        `x`: one input, or the query, key and value inputs (MUDD)."""
         if kv is not None:
             return self._cached(x, rope, kv)
-        qkv, _ = self.qkv(x)  # under SP: gathered to the full sequence first
+        qkv = self.project_qkv(x)  # under SP: gathered to the full sequence first
         q, k, v = rope.qkv(qkv, self.groups_local, self.group, self.seq_first)
         b, s = q.shape[0], q.shape[2]
         dropout = self.dropout if self.training else 0.0
@@ -67,13 +76,42 @@ class Attention(nn.Module):
             out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
 
-    def _cached(self, x: torch.Tensor, rope: RotaryEmbedding, kv) -> torch.Tensor:
+    def project_qkv(self, x) -> torch.Tensor:
+        """The QKV output (module docstring layout) of one input, or of three inputs (xq,
+        xk, xv): each through its rows of the fused weight (this rank's shard), reassembled
+        in the same layout. Under TP each is megatron's column-parallel matmul (under SP,
+        each input is gathered to the full sequence: three all-gathers instead of one)."""
+        if isinstance(x, torch.Tensor):
+            return self.qkv(x)[0]
+        xq, xk, xv = x
+        if xq is xk and xk is xv:
+            return self.qkv(xq)[0]
+        width = self.qkv.weight.shape[1]
+        w = self.qkv.weight.view(self.groups_local, self.group + 2, self.head_dim, width)
+        parts = [self._column(inp, w[:, rows].reshape(-1, width))
+                 for inp, rows in ((xq, slice(0, self.group)),
+                                   (xk, slice(self.group, self.group + 1)),
+                                   (xv, slice(self.group + 1, self.group + 2)))]
+        lead = parts[0].shape[:-1]
+        return torch.cat([p.view(*lead, self.groups_local, -1) for p in parts],
+                         dim=-1).view(*lead, -1)
+
+    def _column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T as the QKV layer computes it (column-parallel; plain at one rank)."""
+        if self.tp_group.size() == 1 and not self.seq_first:
+            return F.linear(x, weight)
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, gradient_accumulation_fusion=False,
+            allreduce_dgrad=not self.seq_first, sequence_parallel=self.seq_first,
+            tp_group=self.tp_group)
+
+    def _cached(self, x, rope: RotaryEmbedding, kv) -> torch.Tensor:
         """Attention of the new tokens x (B, S, H) to every cached token and themselves:
         their keys and values are appended to `kv`; RoPE at `kv.positions`, and `kv.mask`
         (or plain causality) says which cached slots each new token sees."""
         if self.seq_first:
             raise ValueError("cached attention needs a model without sequence parallelism")
-        qkv, _ = self.qkv(x)
+        qkv = self.project_qkv(x)
         b, s, _ = qkv.shape
         q, k, v = split_qkv(qkv, self.groups_local, self.group)
         q, k = rope.at(q, kv.positions), rope.at(k, kv.positions)
@@ -122,6 +160,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg, mp, tp_group)
         self.norm_mlp = norm(cfg)
         self.mlp = MLP(cfg, mp, tp_group)
+        # MUDD's qkvr streams: the key and value inputs' own norms (norm_attn: the query's).
+        self.norm_k = self.norm_v = None
+        if cfg.mudd_layout is not None and cfg.mudd_layout.block_norms:
+            self.norm_k, self.norm_v = norm(cfg), norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         # Under SP each TP rank holds another slice of the sequence: its own dropout stream.
         self.tp_group = tp_group if mp.sequence_parallel else None
@@ -131,8 +173,14 @@ class Block(nn.Module):
         else:
             self.skip_gain_attn = self.skip_gain_mlp = None
 
-    def forward(self, x: torch.Tensor, kv=None) -> torch.Tensor:
-        """X_i from Y_{i-1}; `kv` (inference only): this block's KV cache, see Attention."""
+    def forward(self, x, kv=None) -> torch.Tensor:
+        """X_i from Y_{i-1} (or MUDD's streams, module docstring); `kv` (inference only):
+        this block's KV cache, see Attention."""
+        if self.norm_k is not None:  # MUDD qkvr: one input, or (Y^Q, Y^K, Y^V, Y^R)
+            q, k, v, r = (x,) * 4 if isinstance(x, torch.Tensor) else x
+            inputs = (self.norm_attn(q), self.norm_k(k), self.norm_v(v))
+            h = r + self._dropout(self.attn(inputs, self.rope, kv))
+            return self.mlp_sublayer(h)
         return self.mlp_sublayer(self.attention_sublayer(x, kv))
 
     # The two sub-layers, which a block program (pretrain/model/program.py) runs one by one
