@@ -138,7 +138,7 @@ def test_parameter_count_and_flops_include_the_connection(blocks):
 
 
 @pytest.mark.parametrize("over, key", [
-    (dict(connection="mudd"), "connection"),
+    (dict(connection="bogus"), "connection"),
     (dict(connection="dwa", attnres_blocks=2), "attnres_blocks"),
     (dict(connection=None, dwa=False, attnres_blocks=2), "attnres_blocks"),
     (dict(attnres_blocks=3), "attnres_blocks"),  # 8 sub-layers
