@@ -4,7 +4,8 @@ Reference results come from a TP=1 model built in this test process; the ranks r
 same model (layout-independent init), gather their sharded gradients into full tensors and
 compare. Tolerance: loss 1e-5 absolute, each gradient 1e-5 relative (fp32). The cases
 include Attention Residuals, full and block, whose replicated queries and key norms must get
-the TP1 gradient on every rank (summed over the sequence slices under SP).
+the TP1 gradient on every rank (summed over the sequence slices under SP), and MUDD, whose
+replicated mix weights likewise.
 """
 
 import json
@@ -28,6 +29,10 @@ CASES = {  # name -> DenseFormerConfig overrides
     # mixes its sequence slice, and their partial gradients are summed over the TP group.
     "attnres-full": dict(connection="attnres"),
     "attnres-block": dict(connection="attnres", attnres_blocks=4, block="llama"),
+    # MUDD: replicated mix weights, as AttnRes's; the query, key and value inputs each go
+    # through the column-parallel QKV rows (under SP: each gathered on its own).
+    "mudd": dict(connection="mudd", block="llama"),
+    "mudd-static-r": dict(connection="mudd", mudd_dynamic=False, mudd_streams="r"),
 }
 MAX_TP = {"llama-gqa-untied": 2}
 
@@ -49,6 +54,12 @@ def make_model(case: str, sequence_parallel: bool = False):
             model.attnres_query.normal_(generator=gen)
             model.attnres_key_norm.add_(0.3 * torch.randn(model.attnres_key_norm.shape,
                                                           generator=gen))
+    if model.mudd_static is not None:  # away from init (every stream X_i); W1 stays as
+        gen = torch.Generator().manual_seed(1)  # drawn (larger, and fp32 rounding grows)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.startswith(("mudd_static", "mudd_w2")):
+                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model
 
 
