@@ -103,3 +103,16 @@ def test_bad_connection_settings_exit_2_naming_the_key(command, setting, key, tm
                  f"run.dir={tmp_path / 'run'}")
     assert err.splitlines()[0].startswith(f"error: {key}: "), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("settings,key", [
+    (("model.mudd_streams=qk",), "model.mudd_streams"),
+    (("model.mudd_dynamic=maybe",), "model.mudd_dynamic"),
+    (("parallel.pp=2",), "parallel.pp"),
+    (("train.compile=model",), "train.compile")])
+def test_bad_mudd_settings_exit_2_naming_the_key(settings, key, tmp_path, capsys):
+    sets = [a for s in ("model.connection=mudd", *settings) for a in ("--set", s)]
+    err = failed(capsys, "config", "--config", str(ROOT / "configs/tiny.yaml"), *sets,
+                 "--set", f"run.dir={tmp_path / 'run'}")
+    assert err.splitlines()[0].startswith(f"error: {key}: "), err
+    assert "mudd" in err.splitlines()[0]

@@ -25,6 +25,7 @@ def mode(device: str, *overrides: str, world_size: int = 1) -> str:
     (["model.dwa=false", "train.compile=blocks"], 1, "blocks"),  # a setting is kept
     (["model.connection=attnres"], 1, "model"),  # the mixes trace into the one graph
     (["model.connection=attnres", "parallel.pp=2"], 2, "blocks"),
+    (["model.connection=mudd"], 1, "none"),  # the buffered mixes run eagerly
 ])
 def test_auto_on_cuda_and_cpu(overrides, world, cuda):
     assert mode("cuda", *overrides, world_size=world) == cuda

@@ -366,6 +366,14 @@ def test_tiny_attnres_config():
     assert m.architecture == "AttnRes block 4" and m.ignored_dwa_note() is None
 
 
+def test_tiny_mudd_config():
+    """The tiny shape with MUDD (dynamic, qkvr streams), and no note."""
+    m = load_config(REPO / "configs" / "tiny-mudd.yaml").model
+    assert m.depth_connection == "mudd" and not m.has_dwa
+    assert (m.mudd_layout.streams, m.mudd_layout.dynamic) == ("qkvr", True)
+    assert m.architecture == "MUDD" and m.ignored_dwa_note() is None
+
+
 def test_baselines():
     base = REPO / "configs" / "baselines"
     last = load_config(base / "connect-to-last.yaml").model

@@ -17,6 +17,9 @@ head with the blocks. So on CUDA:
   so the mixes fuse with the norms and branches around them; `blocks` would compile only the
   branches and leave every mix eager. Not yet timed on a GPU against `blocks`.
 
+- none for MUDD (pretrain/model/mudd_mix.py): its mixes write into buffers in custom
+  autograd functions; `train.compile` other than none or auto is refused for it.
+
 On a CPU: none (compilation takes longer than the short runs made there save). With ZeRO-3:
 none, as any compiled mode is refused there (DeepSpeed gathers parameters in module hooks).
 """
@@ -40,6 +43,8 @@ def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConf
         return "none", f"train.compile=auto on {device_type}"
     if p.zero_stage >= 3:
         return "none", "train.compile=auto with ZeRO-3, which refuses compiled modules"
+    if m.mudd_layout is not None:
+        return "none", "train.compile=auto for MUDD (its buffered mixes run eagerly)"
     if p.pp > 1:
         return "blocks", "train.compile=auto with pipeline stages"
     if m.has_dwa:
