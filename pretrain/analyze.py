@@ -1,5 +1,6 @@
 """`python -m pretrain analyze`: the DWA weights of a checkpoint, or of every checkpoint of a run
-(for Attention Residuals, their depth weights over a validation batch: attnres_analysis.py).
+(for Attention Residuals, their depth weights over a validation batch: attnres_analysis.py;
+for MUDD its mixes' weights: mudd_analysis.py).
 
     python -m pretrain analyze --checkpoint runs/tiny/checkpoints/step-00000300 --out dwa/
     python -m pretrain analyze --run runs/tiny --out dwa/
@@ -32,17 +33,17 @@ GRID_FILE = "grid.png"
 def add_parser(subparsers) -> None:
     """The `analyze` subcommand and its options."""
     parser = subparsers.add_parser("analyze", help="DWA weight heatmaps and statistics of a "
-                                   "checkpoint or of every checkpoint of a run (AttnRes: "
+                                   "checkpoint or of every checkpoint of a run (AttnRes, MUDD: "
                                    "depth weights over a validation batch)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", help="run directory: every complete checkpoint, by step")
     where.add_argument("--checkpoint", help="one checkpoint, or an exported directory")
     parser.add_argument("--out", required=True, help="directory to write (created)")
-    parser.add_argument("--data", help="AttnRes: the prepared dataset whose first validation "
+    parser.add_argument("--data", help="AttnRes, MUDD: the prepared dataset whose first validation "
                                        "batch the weights are taken over (default: the run "
                                        "config's data.path)")
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="AttnRes: sequences in that batch (default 8)")
+                        help="AttnRes, MUDD: sequences in that batch (default 8)")
 
 
 def dwa_row_stats(matrix: torch.Tensor, mask: list[list[bool]]) -> list[dict]:
@@ -164,7 +165,7 @@ def collect(args: argparse.Namespace, model: torch.nn.Module
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out (for an
-    AttnRes model: pretrain/attnres_analysis.py)."""
+    AttnRes model: pretrain/attnres_analysis.py; MUDD: pretrain/mudd_analysis.py)."""
     # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from parallel.primitives import groups
     from pretrain.dwa_plots import heatmap_name, write_dwa_grid, write_dwa_heatmap
@@ -179,6 +180,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             from pretrain.attnres_analysis import analyze_attnres
 
             return analyze_attnres(args, model, source, _step)
+        if model.mudd_static is not None:
+            # deferred: pulls in torch (slow to start, or optional)
+            from pretrain.mudd_analysis import analyze_mudd
+
+            return analyze_mudd(args, model, source, _step)
         found = collect(args, model)
     finally:
         groups.destroy()

@@ -228,3 +228,41 @@ def test_recorded_weights_by_hand():
     torch.testing.assert_close(record[2], a2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(record[3], a3, rtol=1e-5, atol=1e-6)
     assert record[3].std(dim=(1, 2)).min() > 1e-3  # per token, not one weight for all
+
+
+# -- MUDD: the mixes' weights over a validation batch; generate and export-hf of its run -----
+
+@pytest.fixture(scope="module")
+def mudd_run(tiny_data, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("analyze-mudd") / "run"
+    done = run(train_cmd(tiny_data, run_dir, "model.n_layers=3", "model.connection=mudd",
+                         "train.steps=2", "optim.warmup_steps=1", "optim.lr=0.05",
+                         "data.val_batches=0", "checkpoint.every=2",
+                         "tracking.enabled=false"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow  # a training run of its own (the default suite's time budget)
+@pytest.mark.timeout(180)
+def test_analyze_mudd_writes_mean_and_spread_per_mix_and_stream(mudd_run, tmp_path, capsys):
+    from pretrain.cli import main
+
+    step_dir = mudd_run / "checkpoints" / "step-00000002"
+    analyze("--checkpoint", step_dir, "--out", tmp_path, "--batch-size", "4")
+    stats = json.loads((tmp_path / "mudd_stats.json").read_text())
+    assert stats["model"] == {"n_layers": 3, "mudd_streams": "qkvr", "mudd_dynamic": True}
+    (entry,) = stats["checkpoints"]
+    assert [(r["mix"], r["stream"]) for r in entry["mixes"]] == [
+        (1, "q"), (1, "k"), (1, "v"), (1, "r"), (2, "q"), (2, "k"), (2, "v"), (2, "r"),
+        (3, "r")]
+    assert all(len(r["mean"]) == r["mix"] + 1 for r in entry["mixes"])
+    for stream in "qkvr":
+        assert (tmp_path / f"step-00000002-{stream}.png").read_bytes()[:8] == PNG_MAGIC
+    assert entry["max_std"] > 1e-6  # trained: per-token weights that differ between tokens
+    # The same run: generation works, the Hugging Face export is refused by name.
+    assert main(["generate", "--run", str(mudd_run), "--prompt", "the", "--max-new-tokens",
+                 "4"]) == 0
+    assert main(["export-hf", "--run", str(mudd_run), "--out", str(tmp_path / "hf")]) == 2
+    assert "model.connection: mudd has no Hugging Face export" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

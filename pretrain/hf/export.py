@@ -14,7 +14,7 @@ Beside the tokenizer (a `tokenizer.json`, or a sentencepiece `tokenizer.model`, 
 transformers 5 converts on loading) the export writes `tokenizer_config.json`: no BOS added,
 as in training, and EOS (also the padding token) as our tokenizer found it, so
 `AutoTokenizer` gives the ids that training saw. The directory is written beside --out and
-renamed into place.
+renamed into place. A MUDD model (`model.connection: mudd`) is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ def export_hf(path: Path, out: Path) -> Path:
         if ours:
             groups.destroy()
     cfg = model.config
+    if cfg.mudd_layout is not None:  # refused before anything is written
+        raise ConfigError("model.connection", "mudd has no Hugging Face export: the exported "
+                          "modeling code implements the DWA and Attention Residuals only")
     state = {name: value.detach().float() for name, value in model.named_parameters()}
     if cfg.block == "llama" and cfg.depth_connection == "none" and not cfg.skip_gains:
         hf_model = llama_model(cfg, state, tokenizer)  # plain transformers, no remote code
