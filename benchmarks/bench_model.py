@@ -8,7 +8,8 @@ seq 256, batch 4, vocabulary 8192 by default), each one full train step (forward
 AdamW) on the same tokens:
 
 - ours: `transformer`, `dense-1x1`, `dense-4x1`, `dense-4x5` (pretrain.model.DenseFormer),
-  and the other depth connections: `attnres-full`, `attnres-block8` (Attention Residuals);
+  and the other depth connections: `attnres-full`, `attnres-block8` (Attention Residuals),
+  `mudd`, `mudd-static` (MUDD, qkvr streams);
   with `--llama` also `llama-transformer`, `llama-1x1`, `llama-4x5` (Llama-style blocks,
   SwiGLU width 8/3 x width rounded to 64: about the gpt block's parameter count), whose
   ratio is also given to the llama Transformer;
@@ -24,6 +25,7 @@ the time the bytes the buffered DWA must move would take at the copy bandwidth
 (`buffered_traffic` in pretrain/model/dwa_layout.py; docs/design.md#bytes-moved-by-the-dwas).
 
     .venv/bin/python benchmarks/bench_model.py [--rounds 5 --threads 1] [--llama] [--json]
+        [--only mudd,mudd-static] [--no-dwa-alone]
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from pretrain.model.dwa_layout import buffered_traffic  # noqa: E402
 PATTERNS = {"1x1": (1, 1), "4x1": (4, 1), "4x5": (4, 5)}
 # The other depth connections (docs/connections.md), same shape.
 CONNECTIONS = {"attnres-full": dict(connection="attnres"),
-               "attnres-block8": dict(connection="attnres", attnres_blocks=8)}
+               "attnres-block8": dict(connection="attnres", attnres_blocks=8),
+               "mudd": dict(connection="mudd"),
+               "mudd-static": dict(connection="mudd", mudd_dynamic=False)}
 LLAMA_PATTERNS = (None, "1x1", "4x5")
 LLAMA_BLOCK = dict(block="llama", ffn_multiple_of=64)
 
@@ -65,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--llama", action="store_true", help="also Llama-style blocks")
     p.add_argument("--no-dwa-alone", action="store_true", help="skip the DWA-alone section")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--only", metavar="NAMES", type=lambda v: set(v.split(",")),
+                   help="comma-separated variants to run (the transformer always runs), e.g. "
+                        "mudd,mudd-static")
     args = p.parse_args(argv)
     if min(args.layers, args.width, args.rounds, args.threads) < 1:
         p.error("--layers, --width, --rounds and --threads must be >= 1")
@@ -105,25 +112,36 @@ def train_steps(args) -> dict:
             opt.zero_grad(set_to_none=True)
         return step
 
+    def wanted(name: str) -> bool:
+        return not args.only or name == "transformer" or name in args.only
+
     steps = {}
     for pattern in (None, *PATTERNS):
+        name = "transformer" if pattern is None else f"dense-{pattern}"
+        if not wanted(name):
+            continue
         model = DenseFormer(config(args, pattern))
-        steps["transformer" if pattern is None else f"dense-{pattern}"] = (
-            model.config.flops_per_token(), step_of(model, model.loss))
+        steps[name] = (model.config.flops_per_token(), step_of(model, model.loss))
     for name, connection in CONNECTIONS.items():
+        if not wanted(name):
+            continue
         model = DenseFormer(config(args, None, **connection))
         steps[name] = (model.config.flops_per_token(), step_of(model, model.loss))
     for pattern in LLAMA_PATTERNS if args.llama else ():
+        if not wanted(f"llama-{pattern or 'transformer'}"):
+            continue
         model = DenseFormer(config(args, pattern, **LLAMA_BLOCK))
         steps[f"llama-{pattern or 'transformer'}"] = (
             model.config.flops_per_token(), step_of(model, model.loss))
     styles = ["reference"] + (["official"] if args.official_cls else [])
     for style, pattern in [(None, None)] + [(s, p) for s in styles for p in PATTERNS]:
+        if not wanted("anchor" if style is None else f"{style}-{pattern}"):
+            continue
         dwa = None if style is None else dwa_modules(args, style, pattern)
         model = AnchorGPT(args.layers, args.width, args.heads, args.seq, args.vocab, dwa)
         steps["anchor" if style is None else f"{style}-{pattern}"] = (
             config(args, pattern).flops_per_token(), step_of(model, model))
-        if style is None:
+        if style is None and wanted("anchor-rope"):
             model = AnchorGPT(args.layers, args.width, args.heads, args.seq, args.vocab,
                               rope=True)
             steps["anchor-rope"] = (config(args, None).flops_per_token(), step_of(model, model))
