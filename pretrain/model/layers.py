@@ -21,7 +21,7 @@ Under MUDD with the qkvr streams (pretrain/model/mudd.py) a block reads four inp
 `norm_attn` as N_q and `norm_k`, `norm_v` the key and value inputs' own norms (every block
 has them; block 1 reads X_0 for all four). The fused QKV weight is then applied to three
 inputs as three matmuls of its query, key and value rows (`Attention.project_qkv`): the
-FLOPs of one.
+FLOPs of one, split into heads apart (`split_qkv`).
 """
 
 from __future__ import annotations
@@ -76,10 +76,11 @@ class Attention(nn.Module):
             out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)[0]
 
-    def project_qkv(self, x) -> torch.Tensor:
+    def project_qkv(self, x):
         """The QKV output (module docstring layout) of one input, or of three inputs (xq,
-        xk, xv): each through its rows of the fused weight (this rank's shard), reassembled
-        in the same layout. Under TP each is megatron's column-parallel matmul (under SP,
+        xk, xv) the three projections apart, each through its rows of the fused weight
+        (this rank's shard), which `split_qkv` takes as they are (no copy into the fused
+        layout). Under TP each is megatron's column-parallel matmul (under SP,
         each input is gathered to the full sequence: three all-gathers instead of one)."""
         if isinstance(x, torch.Tensor):
             return self.qkv(x)[0]
@@ -92,9 +93,7 @@ class Attention(nn.Module):
                  for inp, rows in ((xq, slice(0, self.group)),
                                    (xk, slice(self.group, self.group + 1)),
                                    (xv, slice(self.group + 1, self.group + 2)))]
-        lead = parts[0].shape[:-1]
-        return torch.cat([p.view(*lead, self.groups_local, -1) for p in parts],
-                         dim=-1).view(*lead, -1)
+        return tuple(parts)
 
     def _column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T as the QKV layer computes it (column-parallel; plain at one rank)."""
@@ -112,7 +111,7 @@ class Attention(nn.Module):
         if self.seq_first:
             raise ValueError("cached attention needs a model without sequence parallelism")
         qkv = self.project_qkv(x)
-        b, s, _ = qkv.shape
+        b, s, _ = qkv[0].shape if isinstance(qkv, tuple) else qkv.shape
         q, k, v = split_qkv(qkv, self.groups_local, self.group)
         q, k = rope.at(q, kv.positions), rope.at(k, kv.positions)
         keys, values = kv.append(k, v)  # the cache holds key/value heads only

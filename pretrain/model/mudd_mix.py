@@ -7,9 +7,10 @@ is then one batched product of its weights (T, C, i + 1) (or (C, i + 1) for the 
 mix, the same for every token) with the buffer's first i + 1 slots (T, i + 1, H): no stack
 of the X_j per mix, no loop over them. In backward (`Mix`) the weights' gradient is one
 batched product with the same slots, and the gradient of every X_j it read is accumulated
-into a gradient buffer of the same layout (one baddbmm); when autograd reaches X_j's
-`Store` (after every mix that reads X_j: the mixes take the `Store` results as inputs, as
-pretrain/model/dwa.py's Combine does) it adds slot j to X_j's gradient. Autograd never
+into a gradient buffer of the same layout (one multiply-add over the slots per stream: a
+batched product with an inner size of C would run token by token on a CPU); when autograd
+reaches X_j's `Store` (after every mix that reads X_j: the mixes take the `Store` results
+as inputs, as pretrain/model/dwa.py's Combine does) it adds slot j to X_j's gradient. Autograd never
 saves or version-checks the buffers, so later slots may be written; they belong to one
 forward pass (micro-batches do not share them), and an activation-checkpointing
 recomputation writes identical values again.
@@ -100,8 +101,11 @@ class Mix(torch.autograd.Function):
             dy = torch.stack([values.new_zeros(t, width) if g is None
                               else g.reshape(t, width).to(values.dtype) for g in grads], dim=1)
             w = weights.to(values.dtype)
-            w_t = w.transpose(-1, -2).expand(t, n, len(grads))
-            buffers.grad_slots(n).baddbmm_(w_t, dy)  # dX_j += sum_s A[s, j] dY^s
+            # dX_j += sum_s A[s, j] dY^s: per stream one outer-product update of all slots
+            # (a batched product with an inner size of C runs token by token on a CPU).
+            slots = buffers.grad_slots(n)
+            for s in range(len(grads)):
+                slots.addcmul_(w[..., s, :, None], dy[:, s, None, :])
             grad_w = None
             if ctx.needs_input_grad[0]:
                 grad_w = torch.bmm(dy, values.transpose(1, 2))  # (T, C, i + 1)

@@ -40,11 +40,14 @@ class RotaryEmbedding(nn.Module):
         """q (B, groups * group, S, head_dim) rotated, k (B, groups, S, head_dim) rotated
         and v (B, groups, S, head_dim) from the QKV output (B, S, groups * (group + 2) *
         head_dim), or (S, B, ...) if `seq_first`, whose features are laid out (key/value
-        group, [its `group` query heads, its key head, its value head], head_dim)."""
-        s = qkv.shape[0] if seq_first else qkv.shape[1]
+        group, [its `group` query heads, its key head, its value head], head_dim); or the three
+        projections apart (`split_qkv`)."""
+        s = qkv[0].shape[0 if seq_first else 1] if isinstance(qkv, tuple) else \
+            qkv.shape[0 if seq_first else 1]
+        dtype = qkv[0].dtype if isinstance(qkv, tuple) else qkv.dtype
         cos, sin = self.cos[:s], self.sin[:s]
-        if cos.dtype != qkv.dtype:  # bf16 under autocast
-            cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        if cos.dtype != dtype:  # bf16 under autocast
+            cos, sin = cos.to(dtype), sin.to(dtype)
         q, k, v = split_qkv(qkv, groups, group, seq_first)
         return rotated(q, cos, sin), rotated(k, cos, sin), v
 
@@ -57,17 +60,23 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def split_qkv(qkv: torch.Tensor, groups: int, group: int, seq_first: bool = False):
+def split_qkv(qkv, groups: int, group: int, seq_first: bool = False):
     """q (B, groups * group, S, head_dim), k and v (B, groups, S, head_dim), not rotated,
-    from the QKV output (as `RotaryEmbedding.qkv` takes it)."""
+    from the QKV output (as `RotaryEmbedding.qkv` takes it), or from the query, key and value
+    projections apart, a tuple of (B, S, groups * [group, 1, 1] * head_dim)."""
+    lead = (qkv[0] if isinstance(qkv, tuple) else qkv).shape[:2]
     if seq_first:
-        s, b, _ = qkv.shape
+        s, b = lead
         order = (1, 2, 3, 0, 4)  # (S, B, groups, n, d) -> (B, groups, n, S, d)
     else:
-        b, s, _ = qkv.shape
+        b, s = lead
         order = (0, 2, 3, 1, 4)
-    q, k, v = (piece.permute(order) for piece in
-               qkv.view(*qkv.shape[:2], groups, group + 2, -1).split([group, 1, 1], dim=3))
+    if isinstance(qkv, tuple):  # the three projections apart (MUDD: Attention.project_qkv)
+        q, k, v = (piece.view(*piece.shape[:2], groups, n, -1).permute(order)
+                   for piece, n in zip(qkv, (group, 1, 1), strict=True))
+    else:
+        q, k, v = (piece.permute(order) for piece in
+                   qkv.view(*qkv.shape[:2], groups, group + 2, -1).split([group, 1, 1], dim=3))
     # With one query head per group (no GQA) dropping the group dimension is a view; a
     # reshape would copy q (the groups' strides skip their key and value heads).
     q = q.squeeze(2) if group == 1 else q.reshape(b, groups * group, s, q.shape[-1])
