@@ -137,3 +137,13 @@ def test_config_errors_name_the_key():
         config(streams="qk")
     with pytest.raises(ModelConfigError, match="model.mudd_dynamic"):
         DenseFormerConfig(mudd_dynamic=False)  # a DWA model
+
+
+def test_a_second_backward_through_the_graph_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = randomised(DenseFormer(config()).double())
+    loss = model(torch.randint(0, 97, (2, 12))).square().mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

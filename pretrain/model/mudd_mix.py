@@ -67,9 +67,11 @@ class Store(torch.autograd.Function):
         grads = ctx.buffers.grads.get(0)
         if grads is None:  # no mix's output reached the loss
             return grad, None, None
-        slot = grads[:, ctx.j].reshape(ctx.buffers.shape).to(
-            ctx.buffers.values.dtype if grad is None else grad.dtype)
-        return (slot if grad is None else grad + slot), None, None
+        slot = grads[:, ctx.j]
+        total = slot.to(grad.dtype if grad is not None else slot.dtype, copy=True) \
+            if grad is None else grad + slot.view(grad.shape).to(grad.dtype)
+        slot.zero_()  # read once: a second backward through the graph starts from zero
+        return total.view(ctx.buffers.shape), None, None
 
 
 class Mix(torch.autograd.Function):
