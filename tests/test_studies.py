@@ -194,5 +194,9 @@ def test_architecture_shorthands_name_their_connection():
     assert parse_architecture("attnres-block8").overrides == {
         "model.connection": "attnres", "model.attnres_blocks": 8}
     assert parse_architecture("denseformer-4x5").overrides["model.dwa_period"] == 5
+    assert parse_architecture("mudd").overrides == {
+        "model.connection": "mudd", "model.mudd_dynamic": True}
+    assert parse_architecture("mudd-static").overrides == {
+        "model.connection": "mudd", "model.mudd_dynamic": False}
     with pytest.raises(SweepError, match="attnres-blockN"):
         parse_architecture("attnres-8")
