@@ -11,7 +11,14 @@ from torch import nn
 from tests.conftest import ROOT, cli_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_model import Scale, config, interleaved, median_ratio, parse_args  # noqa: E402
+from bench_model import (  # noqa: E402
+    Scale,
+    config,
+    interleaved,
+    median_ratio,
+    parse_args,
+    train_steps,
+)
 from nanogpt_anchor import AnchorGPT, ReferenceDWA  # noqa: E402
 
 from pretrain.model import DenseFormer  # noqa: E402
@@ -115,11 +122,17 @@ def test_benchmark_runs_every_configuration():
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     assert {"anchor", "anchor-rope", "dense-4x1", "reference-4x5",
-            "llama-4x5"} <= results["variants"].keys()
+            "llama-4x5", "mudd", "mudd-static"} <= results["variants"].keys()
     for name, row in results["variants"].items():  # every variant measured, ratios positive
         assert row["median_step_s"] > 0 and row["ratio_vs_transformer"] > 0, name
         assert row.get("ratio_vs_llama_transformer", 1) > 0, name
     assert results["dwa_alone"]["ours-1x1"]["floor_mib"] > 0
+
+
+def test_only_restricts_the_variants_to_those_named_and_the_transformer():
+    args = parse_args(["--layers", "2", "--width", "16", "--heads", "2", "--seq",
+                                   "8", "--batch", "1", "--vocab", "32", "--only", "mudd"])
+    assert set(train_steps(args)) == {"transformer", "mudd"}
 
 
 def test_a_bad_official_checkout_is_a_usage_error(tmp_path, capsys):
