@@ -79,19 +79,21 @@ def arms_section(stats: list[SeedStats], baseline: str) -> tuple[str, list[dict]
     if not rows:
         return "", []
     columns = [column([r[k] for r in rows], digits) for k, digits in (
-        ("flops_per_token", 4), ("tokens", 4), ("flops", 4), ("flops_ratio", 5),
-        ("minus_baseline", 3), ("step_seconds", 3))]
+        ("flops_per_token", 4), ("tokens", 4), ("flops", 4), ("step_seconds", 3))]
+
+    def fixed(value: float | None, spec: str) -> str:
+        return "—" if value is None else f"{value:{spec}}"
+
     cells = []
     for i, r in enumerate(rows):
         spread = (f" ± {r['val_loss_std']:.4f}" if math.isfinite(r["val_loss_std"])
                   else " (1 seed)")
         extra = r["n_params_over_baseline"]
-        cells.append((ARM_TITLES[r["arm"]], r["config"], r["seeds"], f"{r['n_params']:.0f}"
-                      if r["n_params"] is not None else "—",
-                      "—" if extra is None else f"{extra:+.0f}", columns[0][i], columns[1][i],
-                      columns[2][i], columns[3][i], f"{r['val_loss']:.4f}{spread}",
-                      columns[4][i] if r["minus_baseline"] is None or r["minus_baseline"] < 0
-                      else f"+{columns[4][i]}", columns[5][i]))
+        cells.append((ARM_TITLES[r["arm"]], r["config"], r["seeds"],
+                      fixed(r["n_params"], ".0f"), fixed(extra, "+.0f"), columns[0][i],
+                      columns[1][i], columns[2][i], fixed(r["flops_ratio"], ".4f"),
+                      f"{r['val_loss']:.4f}{spread}", fixed(r["minus_baseline"], "+.4f"),
+                      columns[3][i]))
     return section(
         "Matched parameters and matched FLOPs",
         paragraph(f"Each architecture in two arms (match_flops: in the sweep): at matched "

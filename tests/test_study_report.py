@@ -366,7 +366,7 @@ def test_matched_budget_section_per_arm_with_known_answers():
     assert twin["step_seconds"] == pytest.approx(0.75)  # the median of 1.0 and 0.5
     lone = rows[("params", "denseformer-4x5 L2 W32 D50 lr=0.001")]  # no baseline at its D
     assert lone["minus_baseline"] is None and lone["flops_ratio"] is None
-    assert "Matched parameters and matched FLOPs" in page and "-0.150" in page
+    assert "Matched parameters and matched FLOPs" in page and "-0.1500" in page
     for r in runs:
         del r.tags["arms"]  # a sweep without match_flops: no section
     page, plain = _report(runs)
