@@ -4,9 +4,11 @@ Writes DIR/report.html, one self-contained page (tables, PNGs inline), and DIR/r
 with the same numbers. Sections: runs that failed or did not finish, by name, each with its
 one-line cause (and runs of the sweep manifest that never started); final validation loss
 and perplexity per configuration over seeds (a dot plot with seed intervals,
-slurm/report_plots.py); the best learning rate per architecture; paired differences against
-the baseline; the scaling laws and compute multipliers (slurm/fit.py; only where an
-architecture has 3+ budgets spanning 4x, else why not); downstream scores
+slurm/report_plots.py); each architecture at matched parameters and at matched FLOPs for a
+sweep with match_flops (slurm/report_arms.py); the best learning rate per architecture;
+paired differences against the baseline; the scaling laws and compute multipliers
+(slurm/fit.py; only where an architecture has 3+ budgets spanning 4x, else why not);
+downstream scores
 (`lm_eval/<task>/<metric>`); cost, MFU against one peak for the whole study
 (slurm/report_cost.py, slurm/report_mfu.py); the DWA heatmaps at the end of training; every
 run's commit and config. The statistics are in slurm/report_stats.py. One number format per
@@ -35,6 +37,7 @@ from slurm.fit import (
     multipliers,
     why_no_compute_law,
 )
+from slurm.report_arms import arms_section
 from slurm.report_cost import cost_section
 from slurm.report_data import ReportError, Study, StudyRun, load_study
 from slurm.report_html import (
@@ -253,8 +256,9 @@ def build_report(study: Study, baseline: str,
                                    for n, s, w in failed])) if failed else
                 section("Failed or unfinished runs", paragraph("None: every run finished.")))
     scaling, laws = ("", {})
+    arms, arm_rows = arms_section(stats, baseline)
     if tunings:
-        body += [losses_section(stats, tunings), tuning_section(tunings),
+        body += [losses_section(stats, tunings), arms, tuning_section(tunings),
                  paired_section(paired, baseline)]
         scaling, laws = scaling_section(tunings, baseline)
         body.append(scaling)
@@ -276,7 +280,7 @@ def build_report(study: Study, baseline: str,
         "paired": [{"architecture": p.architecture, "context": label(p.context),
                     "pairs": len(p.pairs), "mean": p.mean, "std": p.std, "low": p.low,
                     "high": p.high} for p in paired],
-        **laws, **costs}
+        **({"arms": arm_rows} if arm_rows else {}), **laws, **costs}
     return page(f"Study report: {study.experiment}", body), summary
 
 

@@ -51,15 +51,18 @@ def _config(run: StudyRun):
     return cfg, (cfg.model.with_vocab(vocab) if vocab else None)
 
 
+def step_seconds(run: StudyRun) -> float | None:
+    """The run's median step time: batch x seq_len over its median tokens per second."""
+    tokens_per_s = run.speed.get("tokens_per_s")
+    batch, seq = run.params.get("train.batch_size"), run.params.get("model.seq_len")
+    return int(batch) * int(seq) / tokens_per_s if tokens_per_s and batch and seq else None
+
+
 def cost_of(run: StudyRun, peak: StudyPeak) -> Cost:
     """The run's measured speed, its MFU against the study's `peak`, and its estimated
     memory (what cannot be known is None)."""
     tokens_per_s, mfu = run.speed.get("tokens_per_s"), study_mfu(run, peak)
-    step = None
-    batch, seq = run.params.get("train.batch_size"), run.params.get("model.seq_len")
-    if tokens_per_s and batch and seq:
-        step = int(batch) * int(seq) / tokens_per_s
-    cost = Cost(tokens_per_s, step, mfu, {}, None, None,
+    cost = Cost(tokens_per_s, step_seconds(run), mfu, {}, None, None,
                 run.metrics.get("inference/prefill_tokens_per_s"),
                 run.metrics.get("inference/decode_tokens_per_s"))
     if run.config_text is None:

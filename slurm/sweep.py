@@ -51,7 +51,7 @@ def format_table(sweep: Sweep) -> str:
     width = max([len(r.name) for r in sweep.runs] + [3])
     arch = max([len(r.architecture) for r in sweep.runs] + [4])
     header = (f"{'#':>3}  {'run':<{width}} {'arch':<{arch}} {'L':>3} {'W':>5} {'N':>10} "
-              f"{'D':>10} {'steps':>7} {'C=6ND':>10} {'mem/rank':>9}")
+              f"{'D':>10} {'steps':>7} {'C=6ND':>10} {'FLOPs':>10} {'mem/rank':>9}")
     lines = [f"sweep {sweep.name}: {len(sweep.runs)} runs from {sweep.path}", header]
     for run in sweep.runs:
         memory = _bytes(run.memory_bytes) if run.memory_bytes is not None else "n/a"
@@ -59,16 +59,16 @@ def format_table(sweep: Sweep) -> str:
             f"{run.index:>3}  {run.name:<{width}} {run.architecture:<{arch}} "
             f"{run.values['n_layers']:>3} {run.values['d_model']:>5} {run.n_params:>10.4g} "
             f"{run.tokens:>10.4g} {run.config.train.steps:>7} {run.compute:>10.3e} "
-            f"{memory:>9}")
+            f"{run.model_flops:>10.3e} {memory:>9}")
     for run in sweep.runs:
         if run.depends_on is not None:
             lines.append(f"  run {run.index} starts after run {run.depends_on} "
                          f"(train.init_from={sweep.runs[run.depends_on].config.run.dir})")
     lines.append("N: non-embedding parameters; D: tokens = steps x batch x seq_len; "
-                 "C = 6 N D FLOPs; mem/rank: an estimate of the fullest rank (python -m "
-                 "parallel.strategies.memory: weights, gradients, AdamW, activations), n/a until "
-                 "the "
-                 "vocabulary is known")
+                 "C = 6 N D FLOPs; FLOPs: flops_per_token() x D (attention, LM head and "
+                 "depth connections included); mem/rank: an estimate of the fullest rank "
+                 "(python -m parallel.strategies.memory: weights, gradients, AdamW, "
+                 "activations), n/a until the vocabulary is known")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ A sweep file (see configs/sweeps/) names a base training config and a grid:
       lr: [3e-3]                    # optional; an architecture may carry its own lr: [...]
       warmup: [0.02, 0.1]           # optional: warm-up fractions, an axis like lr
     continue: {...}                 # optional dependent stage (slurm/sweep_stages.py)
+    match_flops: transformer        # optional: a matched-FLOPs arm (slurm/sweep_flops.py)
     lm_eval: {tasks: [...]}         # optional: downstream tasks after each run (sweep_stages)
     inference: {batch: 1}           # optional: generation speed after each run (sweep_stages)
     slurm: {nodes: 1, nproc_per_node: 1, cpus_per_task: 1, time: "00:10:00", max_parallel: 2}
@@ -54,11 +55,12 @@ from slurm.sweep_axes import (
     si_format,
 )
 from slurm.sweep_errors import SweepError
+from slurm.sweep_flops import flops_matched_runs
 from slurm.sweep_shapes import matched_shapes, parse_shapes
 from slurm.sweep_stages import continuation_runs, inference_settings, lm_eval_settings
 
 TOP_KEYS = {"name", "base", "set", "warmup_fraction", "grid", "slurm", "experiment",
-            "tracking_uri", "out", "continue", "lm_eval", "inference"}
+            "tracking_uri", "out", "continue", "lm_eval", "inference", "match_flops"}
 GRID_KEYS = {"architecture", "shape", "depth", "width", "head_dim", "params", "tokens",
              "tokens_per_param", "compute", "seed", "lr", "warmup"}
 SLURM_DEFAULTS: dict[str, Any] = {
@@ -335,6 +337,11 @@ def expand(path: str | Path, cli_overrides: list[str] = (), out: str | Path | No
                 runs.append(context.finish(
                     len(runs), f"{name}-{arch.name}", arch.name, cfg, model, vocab, target,
                     seed, {k: v for k, v in values.items() if v is not None}, shape))
+    if "match_flops" in data:
+        if "continue" in data:
+            raise SweepError("match_flops and continue: give one of them (a continuation has "
+                             "no FLOPs-matched twin)")
+        runs += flops_matched_runs(data["match_flops"], runs, archs, context, bool(tokens))
     if "continue" in data:
         runs += continuation_runs(data["continue"], runs, context)
     names = [r.name for r in runs]

@@ -21,7 +21,10 @@ STUDIES = ROOT / "configs/studies"
 TINY_STUDIES = sorted(STUDIES.glob("*-tiny.yaml"))
 CLUSTER_STUDIES = sorted(p for p in STUDIES.glob("*.yaml") if not p.name.endswith("-tiny.yaml"))
 QUESTIONS = ("width-vs-depth", "lr-tuning", "scaling", "continuation", "downstream", "cost",
-             "kxp")
+             "kxp", "connections")
+# Runs a CPU-tiny study may hold (default 6): the connections study compares up to 9
+# connections in two arms over 3 seeds, about 12 s a run on the local Slurm.
+MAX_TINY_RUNS = {"connections-tiny": 60}
 
 
 def test_one_tiny_and_one_cluster_study_per_question():
@@ -32,7 +35,7 @@ def test_one_tiny_and_one_cluster_study_per_question():
 @pytest.mark.parametrize("study", TINY_STUDIES, ids=lambda p: p.stem)
 def test_tiny_study_expands_small(study, tmp_path, tiny_data):
     sweep = expand(study, [f"data.path={tiny_data}"], out=tmp_path / "out")
-    assert 2 <= len(sweep.runs) <= 6
+    assert 2 <= len(sweep.runs) <= MAX_TINY_RUNS.get(study.stem, 6)
     for run in sweep.runs:
         assert run.config.train.steps <= 50 and run.config.model.d_model <= 64
         assert run.memory_bytes is not None  # the vocabulary is known: estimated
@@ -200,3 +203,57 @@ def test_architecture_shorthands_name_their_connection():
         "model.connection": "mudd", "model.mudd_dynamic": False}
     with pytest.raises(SweepError, match="attnres-blockN"):
         parse_architecture("attnres-8")
+
+
+def test_flops_arm_gives_each_variant_the_transformers_flops(tmp_path, tiny_data):
+    from slurm.sweep_flops import ARMS_TAG
+
+    sweep = expand(STUDIES / "connections-tiny.yaml", [f"data.path={tiny_data}"],
+                   out=tmp_path / "out")
+    arms = {r.name: set(r.tags("x")[ARMS_TAG].split(",")) for r in sweep.runs}
+    base = {r.config.train.seed: r for r in sweep.runs if r.architecture == "transformer"}
+    assert all(arms[r.name] == {"params", "flops"} for r in base.values())
+    params = [r for r in sweep.runs if "params" in arms[r.name]]
+    flops = [r for r in sweep.runs if "flops" in arms[r.name]]
+    # Matched parameters: one shape and one D; N differs by the connections' parameters only.
+    assert len({(r.values["n_layers"], r.values["d_model"], r.tokens) for r in params}) == 1
+    assert all(0 <= r.n_params - base[0].n_params < 0.02 * base[0].n_params for r in params)
+    # Matched FLOPs: every architecture once per seed, at the baseline's FLOPs to the nearest
+    # whole step (one step more or fewer would be further off).
+    assert sorted((r.architecture, r.config.train.seed) for r in flops) == sorted(
+        (r.architecture, r.config.train.seed) for r in params)
+    twins = 0
+    for run in flops:
+        target = base[run.config.train.seed].model_flops
+        per_token = run.model_flops / run.tokens
+        step = run.tokens // run.config.train.steps
+        miss = abs(run.model_flops - target)
+        assert miss <= per_token * step / 2
+        assert miss <= min(abs(per_token * (run.tokens + d) - target) for d in (-step, step))
+        twins += "params" not in arms[run.name]
+        if per_token * step / 2 < run.model_flops - target:  # more FLOPs a token: fewer tokens
+            assert run.tokens < base[0].tokens
+    assert twins >= 6  # attnres, attnres-block4 and denseformer-1x1 need fewer steps
+    assert len({r.name for r in sweep.runs}) == len(sweep.runs)
+
+
+def test_matched_tokens_and_what_match_flops_refuses(tmp_path):
+    from slurm.sweep_flops import matched_tokens
+
+    assert matched_tokens(1000.0, 8.0) == 125.0
+    with pytest.raises(SweepError, match="FLOPs must be positive"):
+        matched_tokens(1000.0, 0.0)
+    spec = yaml.safe_load((STUDIES / "connections-tiny.yaml").read_text())
+    spec["base"] = str(ROOT / "configs/tiny.yaml")
+    spec["grid"]["seed"] = [0]
+    for change, message in (
+            ({"match_flops": "denseformer-2x2"}, "must name an architecture of the grid"),
+            ({"grid": {**spec["grid"], "tokens": None, "tokens_per_param": [0.1]}},
+             "needs grid.tokens"),
+            ({"continue": {"grid": {"tokens": [512]}}}, "match_flops and continue")):
+        changed = {**spec, **change}
+        changed["grid"] = {k: v for k, v in changed["grid"].items() if v is not None}
+        path = tmp_path / "s.yaml"
+        path.write_text(yaml.safe_dump(changed))
+        with pytest.raises(SweepError, match=message):
+            expand(path, [], out=tmp_path / "out")

@@ -334,3 +334,40 @@ def test_gpu_mfu_is_against_the_spec_peak_or_a_declared_one():
     page, summary = _report(mixed, mfu_peak=parse_peak("H100"))
     assert summary["cost"]["r1"]["mfu"] == pytest.approx(4e14 / 989e12)
     assert "declared: 9.89e+14 FLOP/s" in page
+
+
+def test_matched_budget_section_per_arm_with_known_answers():
+    def run(name, arch, arms, seed, loss, n, d, flops, tokens_per_s):
+        r = _study_run(name, arch, 6e9, loss, seed=seed, speed={"tokens_per_s": tokens_per_s},
+                       params={"train.batch_size": "8", "model.seq_len": "32"})
+        r.tags.update({"arms": arms, "N": str(n), "D": str(d), "C_model": str(flops)})
+        return r
+
+    runs = [run(f"t{s}", "transformer", "params,flops", s, 3.0 + 0.2 * s, 1000, 100, 1.0e5,
+                1024.0) for s in (0, 1)]
+    runs += [run(f"d{s}", "denseformer-1x1", "params", s, 2.9 + 0.1 * s, 1044, 100, 1.01e5,
+                 512.0) for s in (0, 1)]
+    runs += [run(f"f{s}", "denseformer-1x1", "flops", s, 2.95 + 0.1 * s, 1044, 99, 0.9999e5,
+                 256.0 * (1 + s)) for s in (0, 1)]
+    runs.append(run("other", "denseformer-4x5", "params", 0, 2.0, 1002, 50, 5e4, 1.0))
+    page, summary = _report(runs)
+    rows = {(r["arm"], r["config"]): r for r in summary["arms"]}
+    assert [r["arm"] for r in summary["arms"]].count("flops") == 2
+    t = rows[("params", "transformer L2 W32 D100 lr=0.001")]
+    assert t["minus_baseline"] == 0 and t["step_seconds"] == pytest.approx(0.25)
+    dense = rows[("params", "denseformer-1x1 L2 W32 D100 lr=0.001")]
+    assert dense["minus_baseline"] == pytest.approx(-0.15)
+    assert dense["n_params_over_baseline"] == 44 and dense["flops_ratio"] == pytest.approx(1.01)
+    assert dense["val_loss_std"] == pytest.approx(0.1 / 2**0.5)
+    assert dense["flops_per_token"] == pytest.approx(1010) and dense["step_seconds"] == 0.5
+    twin = rows[("flops", "denseformer-1x1 L2 W32 D99 lr=0.001")]
+    assert twin["minus_baseline"] == pytest.approx(-0.1)  # against the same Transformer runs
+    assert twin["flops_ratio"] == pytest.approx(0.9999) and twin["tokens"] == 99
+    assert twin["step_seconds"] == pytest.approx(0.75)  # the median of 1.0 and 0.5
+    lone = rows[("params", "denseformer-4x5 L2 W32 D50 lr=0.001")]  # no baseline at its D
+    assert lone["minus_baseline"] is None and lone["flops_ratio"] is None
+    assert "Matched parameters and matched FLOPs" in page and "-0.1500" in page
+    for r in runs:
+        del r.tags["arms"]  # a sweep without match_flops: no section
+    page, plain = _report(runs)
+    assert "arms" not in plain and "Matched parameters" not in page
