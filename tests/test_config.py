@@ -415,7 +415,7 @@ def test_reflection_finds_the_numeric_keys():
     assert {name for section, name, *_ in NUMERIC_KEYS if section == "model"} == {
         f.name for f in dataclasses.fields(DenseFormerConfig)
         if hints[f.name] is not bool and not all(
-            a is type(None) or typing.get_origin(a) is typing.Literal for a in (
+            a in (type(None), bool) or typing.get_origin(a) is typing.Literal for a in (
                 typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name])
                 in (typing.Union, types.UnionType) else (hints[f.name],)))}
 

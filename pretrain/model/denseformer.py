@@ -1,5 +1,5 @@
 """DenseFormer language model (a plain Transformer when `dwa=False`; Attention Residuals
-when `connection=attnres`).
+when `connection=attnres`; Hyper-Connections when `connection=hc` or `mhc`).
 
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
     logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
@@ -32,6 +32,8 @@ from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState
 from pretrain.model.dwa_weights import DWAWeights
+from pretrain.model.hc import HCConnections, new_parameters
+from pretrain.model.hc_program import hc_program
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import vocab_embedding
@@ -77,6 +79,12 @@ class DenseFormer(nn.Module):
             self.program = attnres_program(cfg.attnres_layout)
             self.attnres_query, self.attnres_key_norm = AttnResWeights(
                 cfg.attnres_layout, cfg.d_model).new_parameters()
+        self.hc_names: tuple[str, ...] = ()
+        if cfg.hc_layout is not None:  # Hyper-Connections (pretrain/model/hc.py)
+            self.program = hc_program(cfg.hc_layout)
+            for name, param in new_parameters(cfg.hc_layout, cfg.d_model).items():
+                setattr(self, name, param)
+            self.hc_names = tuple(new_parameters(cfg.hc_layout, 1))
         # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks runs
         # the program in checkpointed units.
         self.activation_checkpointing = None
@@ -111,14 +119,23 @@ class DenseFormer(nn.Module):
         return run_program(self.program, self.block, self.training_connections(x0, functional),
                            {0: x0})
 
-    def training_connections(self, like: torch.Tensor, functional: bool):
+    def training_connections(self, like: torch.Tensor, functional: bool,
+                             record: dict | None = None):
         """The connection state of one training forward pass: the DWAs'
-        (pretrain/model/dwa.py) or Attention Residuals' (pretrain/model/attnres.py)."""
+        (pretrain/model/dwa.py), Attention Residuals' (pretrain/model/attnres.py) or
+        Hyper-Connections' (pretrain/model/hc.py; `record`: see `HCConnections`)."""
+        if self.hc_names:
+            return HCConnections(self.config.hc_layout, self.hc_parameters(),
+                                 self.config.norm_eps, record)
         if self.attnres_query is not None:
             return AttnResConnections(self.attnres_query, self.attnres_key_norm,
                                       self.config.norm_eps, self.config.attnres_layout)
         return training_connections(self.dwa_pattern.layout, self.dwa_alpha, like, functional,
                                     storage_dtype(self.config.dwa_dtype), self.config.dwa_impl)
+
+    def hc_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: parameter} of the Hyper-Connections (empty under another connection)."""
+        return {name: getattr(self, name) for name in self.hc_names}
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -177,7 +194,8 @@ class DenseFormer(nn.Module):
         decoding step) uses the cache's fixed `DecodeDWAState`."""
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
-        if self.attnres_query is not None:  # per token: the KV cache is all the state
+        # Per token (Attention Residuals, Hyper-Connections): the KV cache is all the state.
+        if self.attnres_query is not None or self.hc_names:
             y = run_program(self.program, self.block, self.training_connections(x0, False),
                             {0: x0}, kv=cache.layers)
             return self.head(y[:, -1:] if last_only else y)

@@ -5,7 +5,8 @@ then this rank's tensor-parallel shard is taken, so every layout (TP, PP, DP) st
 single-process weights. GPT-2 init: N(0, std) for matmul weights and the embedding,
 N(0, std / sqrt(2 d)) for the residual output projections, ones for norms and gains, and the
 DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1);
-zeros for the Attention Residuals queries (their key norms: ones, as every norm).
+zeros for the Attention Residuals queries (their key norms: ones, as every norm); the
+Hyper-Connections' weights as pretrain/model/hc.py says (`initial_value`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from pretrain.model import hc
 from pretrain.model.config import DenseFormerConfig
 
 _RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc_out.weight")
@@ -49,6 +51,8 @@ def full_init_value(name: str, shape: tuple[int, ...], cfg: DenseFormerConfig, s
         return torch.tensor(cfg.dwa_pattern.initial_alpha(), device="cpu")
     if name == "attnres_query":  # uniform depth attention at init (pretrain/model/attnres.py)
         return torch.zeros(shape)
+    if name in hc.PARAMETERS:
+        return hc.initial_value(name, cfg.hc_layout, shape)
     if name.endswith(_NORMAL):
         std = cfg.init_std
         if name.endswith(_RESIDUAL_PROJECTIONS):

@@ -1,0 +1,131 @@
+"""The arithmetic of Hyper-Connections on the n-stream state, per token: what `HCConnections`
+(pretrain/model/hc.py) runs. The state is one tensor (..., n, H) (token-major: (B, S, n, H),
+or (S, B, n, H) under sequence parallelism); every weight below is per token (..., n) or
+(..., n, n), or shared by all tokens ((n,), (n, n)), and broadcasts.
+
+- `read`: the sub-layer's input h = sum_k pre[k] X[k], one (1, n) x (n, H) product per token.
+- `write`: X'[k] = sum_l M[k, l] X[l] + post[k] out, one (n, n) x (n, H) product per token
+  (M is the destination-major mixing matrix: Ar^T for HC, H_res for mHC).
+- `hc_dynamic`: dynamic HC's weights from the RMS-normalised streams (tanh-gated, scaled).
+- `mhc_weights`: mHC's H_pre, H_post and H_res from the RMS-normalised flattened state,
+  H_res projected by `sinkhorn` (doubly stochastic after the iterations, to a tolerance).
+
+Autocast is off here (`no_autocast`): the mixes run in the state's dtype (fp32 for an fp32
+module under autocast: the embedding's), the Sinkhorn iterations in fp32 at least.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+def no_autocast(x: torch.Tensor):
+    """A context with autocast off on x's device type."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def streams(x0: torch.Tensor, n: int) -> torch.Tensor:
+    """X_0 (..., H) copied into n streams (..., n, H) (a view: the copies share storage)."""
+    return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1])
+
+
+def read(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """h = sum_k pre[k] X[k]: pre (n,) or (..., n), state (..., n, H) -> (..., H)."""
+    if pre.ndim == 1:
+        return pre.to(state.dtype) @ state
+    return (pre.to(state.dtype).unsqueeze(-2) @ state).squeeze(-2)
+
+
+def write(mix: torch.Tensor, post: torch.Tensor, state: torch.Tensor, out: torch.Tensor
+          ) -> torch.Tensor:
+    """X'[k] = sum_l mix[k, l] X[l] + post[k] out: mix (n, n) or (..., n, n), post (n,) or
+    (..., n), state (..., n, H), out (..., H) -> (..., n, H) in the state's dtype."""
+    dtype = state.dtype
+    mixed = mix.to(dtype) @ state
+    return mixed.addcmul_(post.to(dtype).unsqueeze(-1), out.to(dtype).unsqueeze(-2))
+
+
+def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre: torch.Tensor,
+               res: torch.Tensor, post: torch.Tensor, eps: float):
+    """Dynamic HC's (pre (..., n), Ar (..., n, n), B (..., n)) for the state (..., n, H):
+    with Xn[l] = X[l] / rms(X[l]) and z = tanh(Xn proj) (..., n, n + 2),
+
+        pre[l] = Am[l] + s_a z[l, 0],  Ar[l, k] = Ar_static[l, k] + s_a z[l, 1 + k],
+        B[l] = B_static[l] + s_b z[l, n + 1]      (scale = (s_a, s_b))."""
+    n = state.shape[-2]
+    dtype = state.dtype
+    normed = F.rms_norm(state, (state.shape[-1],), eps=eps)
+    z = torch.tanh(normed @ proj.to(dtype))  # (..., n, n + 2)
+    s = scale.to(dtype)
+    gains = torch.cat([s[:1].expand(n + 1), s[1:]])
+    z = z * gains
+    return (pre.to(dtype) + z[..., 0], res.to(dtype) + z[..., 1:n + 1],
+            post.to(dtype) + z[..., n + 1])
+
+
+def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor, eps: float, iters: int):
+    """mHC's (H_pre (..., n), H_res (..., n, n), H_post (..., n)) for the state (..., n, H):
+    x = RMSNorm(flatten(X)) (..., n H), z = x proj (..., n^2 + 2n) laid out [pre | post |
+    res (row-major, [k, l])], scale = (a_pre, a_post, a_res):
+
+        H_pre = sigmoid(a_pre z_pre + b_pre),  H_post = 2 sigmoid(a_post z_post + b_post),
+        H_res = Sinkhorn(a_res z_res + b_res)."""
+    n = state.shape[-2]
+    dtype = state.dtype
+    x = F.rms_norm(state.flatten(-2), (state.shape[-2] * state.shape[-1],), eps=eps)
+    s = scale.to(dtype)
+    gains = torch.cat([s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)])
+    logits = torch.addcmul(bias.to(dtype), x @ proj.to(dtype), gains)
+    pre = torch.sigmoid(logits[..., :n])
+    post = 2 * torch.sigmoid(logits[..., n:2 * n])
+    res = sinkhorn(logits[..., 2 * n:].unflatten(-1, (n, n)), iters)
+    return pre, res.to(dtype), post
+
+
+def _iterates(logits: torch.Tensor, iters: int) -> list[torch.Tensor]:
+    """M_0 = exp(logits - max) (the shift cancels in the normalisations), then `iters`
+    rounds of (rows to sum 1, columns to sum 1): the 2 iters + 1 matrices."""
+    m = torch.exp(logits - logits.amax((-2, -1), keepdim=True))
+    ms = [m]
+    for _ in range(iters):
+        for dim in (-1, -2):
+            m = m / m.sum(dim, keepdim=True)
+            ms.append(m)
+    return ms
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Saves the logits only; the backward recomputes the iterates and runs their chain
+    rule in reverse (y = x / sum x: dx = (dy - sum(dy y)) / sum x), in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        ctx.iters = iters
+        ctx.save_for_backward(logits)
+        with no_autocast(logits):
+            return _iterates(logits, iters)[-1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        with no_autocast(logits):
+            ms = _iterates(logits, ctx.iters)
+            g = grad.to(logits.dtype)
+            for t in range(len(ms) - 2, -1, -1):
+                dim = -1 if t % 2 == 0 else -2
+                g = (g - (g * ms[t + 1]).sum(dim, keepdim=True)) / ms[t].sum(dim, keepdim=True)
+            return g * ms[0], None
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """The Sinkhorn-Knopp projection of exp(logits) (..., n, n): `iters` alternating row
+    and column normalisations (columns sum to 1 exactly, rows to a tolerance that falls
+    with iters), in fp32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return _Sinkhorn.apply(logits.to(dtype), iters)
