@@ -217,3 +217,35 @@ def test_record_gives_every_sublayers_mhc_weights():
         assert (mix.sum(-2) - 1).abs().max() < 1e-12
         assert ((post > 0) & (post < 2)).all()
     assert math.isfinite(model.loss(TOKENS, TOKENS).item())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["hc-n4-llama", "mhc-n2-llama"])
+def test_every_checkpointing_mode_gives_the_loss_and_gradients_of_none(case):
+    """fp64, dropout on: a unit's input and output are the n-stream state, and it
+    recomputes the mix into its first sub-layer (tests/test_checkpointing_attnres.py)."""
+    from parallel.strategies.checkpointing import ActivationCheckpointing
+
+    model = hc_model(**{**CASES[case], "dropout": 0.1})
+    tokens = torch.randint(0, 101, (2, 13), generator=torch.Generator().manual_seed(2))
+
+    def run(mode: str, every: int):
+        model.activation_checkpointing = None if mode == "none" else \
+            ActivationCheckpointing(mode, every, recorder=units)
+        torch.manual_seed(11)  # dropout
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        return loss.item(), grads(model, loss)
+
+    units = []
+    ref_loss, ref_grads = run("none", 1)
+    for mode, every in [("block", 1), ("block", 2), ("dwa_block", 1), ("dwa_block", 3)]:
+        units.clear()
+        loss, got = run(mode, every)
+        assert abs(loss - ref_loss) <= 1e-12, (mode, every)
+        for name, ref in ref_grads.items():
+            rel = ((got[name] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            assert rel <= 1e-10, (mode, every, name, rel)
+        n = model.config.hc_layout.streams
+        assert len(units) == -(-3 // every)
+        assert all(entry is None and [tuple(x.shape[-2:]) for x in held] == [(n, 32)]
+                   for _, (entry, *held) in units)

@@ -4,7 +4,8 @@ Reference results come from a TP=1 model built in this test process; the ranks r
 same model (layout-independent init), gather their sharded gradients into full tensors and
 compare. Tolerance: loss 1e-5 absolute, each gradient 1e-5 relative (fp32). The cases
 include Attention Residuals, full and block, whose replicated queries and key norms must get
-the TP1 gradient on every rank (summed over the sequence slices under SP).
+the TP1 gradient on every rank (summed over the sequence slices under SP), and dynamic HC
+and mHC, whose replicated weights must too.
 """
 
 import json
@@ -28,6 +29,9 @@ CASES = {  # name -> DenseFormerConfig overrides
     # mixes its sequence slice, and their partial gradients are summed over the TP group.
     "attnres-full": dict(connection="attnres"),
     "attnres-block": dict(connection="attnres", attnres_blocks=4, block="llama"),
+    # Hyper-Connections: replicated weights too, the n-stream state (S / TP, B, n, H) under SP.
+    "hc-dynamic": dict(connection="hc", hc_streams=3),
+    "mhc": dict(connection="mhc", block="llama"),
 }
 MAX_TP = {"llama-gqa-untied": 2}
 
@@ -49,6 +53,11 @@ def make_model(case: str, sequence_parallel: bool = False):
             model.attnres_query.normal_(generator=gen)
             model.attnres_key_norm.add_(0.3 * torch.randn(model.attnres_key_norm.shape,
                                                           generator=gen))
+    if model.hc_names:  # away from the initial weights, the dynamic terms large
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in model.hc_parameters().values():
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
     return model
 
 
