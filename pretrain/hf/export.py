@@ -105,6 +105,11 @@ def export_hf(path: Path, out: Path) -> Path:
         if ours:
             groups.destroy()
     cfg = model.config
+    if cfg.hc_layout is not None:
+        raise ConfigError("model.connection", f"{cfg.depth_connection}: export-hf does not "
+                          "support Hyper-Connections (the exported modeling code has no "
+                          "n-stream residual); use the native checkpoint (`generate`, "
+                          "`evaluate`)")
     state = {name: value.detach().float() for name, value in model.named_parameters()}
     if cfg.block == "llama" and cfg.depth_connection == "none" and not cfg.skip_gains:
         hf_model = llama_model(cfg, state, tokenizer)  # plain transformers, no remote code
