@@ -249,3 +249,13 @@ def test_every_checkpointing_mode_gives_the_loss_and_gradients_of_none(case):
         assert len(units) == -(-3 // every)
         assert all(entry is None and [tuple(x.shape[-2:]) for x in held] == [(n, 32)]
                    for _, (entry, *held) in units)
+
+
+def test_sweep_shorthands():
+    from slurm.sweep_axes import parse_architecture
+
+    assert parse_architecture("hc").overrides == {"model.connection": "hc",
+                                                  "model.hc_dynamic": True}
+    assert parse_architecture("hc-static").overrides == {"model.connection": "hc",
+                                                         "model.hc_dynamic": False}
+    assert parse_architecture("mhc").overrides == {"model.connection": "mhc"}

@@ -1,8 +1,9 @@
 """Hyper-Connections (Zhu et al., arXiv 2409.19606) and manifold-constrained Hyper-Connections
 (mHC, DeepSeek-AI, arXiv 2512.24880): the residual stream widened to n streams, which each
 sub-layer reads through a weighted sum and writes back through a mixing matrix plus a
-weighted copy of its output (docs/connections.md#hyper-connections has the equations; the
-program and its index conventions are hc_program.py, the arithmetic hc_mix.py).
+weighted copy of its output (docs/connections.md#hyper-connections-hc-and-mhc has the
+equations; the program and its index conventions are hc_program.py, the arithmetic
+hc_mix.py).
 
 With sub-layers c = 1..L and X_{c-1} the state (..., n, H) that sub-layer c reads:
 
