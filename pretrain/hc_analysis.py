@@ -2,13 +2,13 @@
 hc` or `mhc`, into hc_stats.json and one PNG per checkpoint.
 
 Per sub-layer c = 1..L (2i - 1 block i's attention, 2i its MLP;
-docs/connections.md#hyper-connections-hc-and-mhc) three weights: `pre` (n), the share of each stream in the
-sub-layer's input; `mix` (n x n), destination-major: mix[k][l] is stream l's weight in the new
-stream k (Ar^T for HC, H_res for mHC); `post` (n), the sub-layer output's weight in each
-stream. Static HC's are parameters, drawn as they are (no data needed). Dynamic HC's and
-mHC's depend on the token: a forward over a validation batch records them
-(`HCConnections(..., record=...)`) and `analyze` draws their mean over the batch's tokens and
-their spread (standard deviation over tokens).
+docs/connections.md#hyper-connections-hc-and-mhc) three weights: `pre` (n), the share of
+each stream in the sub-layer's input; `mix` (n x n), destination-major: mix[k][l] is stream
+l's weight in the new stream k (Ar^T for HC, H_res for mHC); `post` (n), the sub-layer
+output's weight in each stream. Static HC's are parameters, drawn as they are (no data
+needed). Dynamic HC's and mHC's depend on the token: a forward over a validation batch
+records them (`HCConnections(..., record=...)`) and `analyze` draws their mean over the
+batch's tokens and their spread (standard deviation over tokens).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ shape (`HCLayout`) and its sub-layer steps (plain Python: config and plan read i
 torch).
 
 Index conventions (docs/connections.md#hyper-connections-hc-and-mhc): sub-layers are
-numbered 1..L, L = 2d; sub-layer 2i - 1 is block i's attention and 2i its MLP (as in attnres_layout.py).
+numbered 1..L, L = 2d; sub-layer 2i - 1 is block i's attention and 2i its MLP (as in
+attnres_layout.py).
 The residual state is n streams per token, one tensor (..., n, H). X_j in the program is the
 state after sub-layer j: X_0 is the embedding copied into the n streams, and sub-layer c
 reads X_{c-1} and writes X_c:
