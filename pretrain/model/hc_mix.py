@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 
 def no_autocast(x: torch.Tensor):
@@ -34,20 +33,72 @@ def streams(x0: torch.Tensor, n: int) -> torch.Tensor:
     return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1])
 
 
+def _per_token(weights: torch.Tensor, state: torch.Tensor, dims: int) -> torch.Tensor:
+    """Weights of `dims` trailing dims, shared ((n,), (n, n)) or per token, as (T, ...) over
+    the state's T tokens in its dtype: shared ones expanded (a view), so that every product
+    is one batched matmul (bmm) over the tokens (a broadcast matmul of a shared matrix is
+    several times slower on the CPU); their gradient is summed back by autograd."""
+    tokens = state.shape[:-2].numel()
+    shape = weights.shape[-dims:]
+    return weights.to(state.dtype).expand(*state.shape[:-2], *shape).reshape(tokens, *shape)
+
+
+class _Read(torch.autograd.Function):
+    """h = pre X per token: pre (T, n), X (T, n, H) -> (T, H). Backward: dX = pre^T dh (an
+    outer product per token), dpre = X dh; saves pre and X (which the program holds)."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, flat)
+        return torch.bmm(pre.unsqueeze(1), flat).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        pre, flat = ctx.saved_tensors
+        dh = dh.contiguous()
+        dflat = torch.bmm(pre.unsqueeze(2), dh.unsqueeze(1)) if ctx.needs_input_grad[1] else None
+        dpre = torch.bmm(flat, dh.unsqueeze(2)).squeeze(2) if ctx.needs_input_grad[0] else None
+        return dpre, dflat
+
+
+class _Write(torch.autograd.Function):
+    """Y = M X + post out^T per token: M (T, n, n), X (T, n, H), post (T, n), out (T, H) ->
+    (T, n, H). Backward: dX = M^T dY, dM = dY X^T, dpost = dY out, dout = post^T dY (four
+    batched products); saves the inputs (X held by the program, out by the branch)."""
+
+    @staticmethod
+    def forward(ctx, mix, flat, post, out):
+        ctx.save_for_backward(mix, flat, post, out)
+        y = torch.bmm(mix, flat)
+        return y.addcmul_(post.unsqueeze(2), out.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        mix, flat, post, out = ctx.saved_tensors
+        dy = dy.contiguous()
+        need = ctx.needs_input_grad
+        dmix = torch.bmm(dy, flat.transpose(1, 2)) if need[0] else None
+        dflat = torch.bmm(mix.transpose(1, 2), dy) if need[1] else None
+        dpost = torch.bmm(dy, out.unsqueeze(2)).squeeze(2) if need[2] else None
+        dout = torch.bmm(post.unsqueeze(1), dy).squeeze(1) if need[3] else None
+        return dmix, dflat, dpost, dout
+
+
 def read(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """h = sum_k pre[k] X[k]: pre (n,) or (..., n), state (..., n, H) -> (..., H)."""
-    if pre.ndim == 1:
-        return pre.to(state.dtype) @ state
-    return (pre.to(state.dtype).unsqueeze(-2) @ state).squeeze(-2)
+    flat = state.reshape(-1, *state.shape[-2:])
+    h = _Read.apply(_per_token(pre, state, 1), flat)
+    return h.view(*state.shape[:-2], state.shape[-1])
 
 
 def write(mix: torch.Tensor, post: torch.Tensor, state: torch.Tensor, out: torch.Tensor
           ) -> torch.Tensor:
     """X'[k] = sum_l mix[k, l] X[l] + post[k] out: mix (n, n) or (..., n, n), post (n,) or
     (..., n), state (..., n, H), out (..., H) -> (..., n, H) in the state's dtype."""
-    dtype = state.dtype
-    mixed = mix.to(dtype) @ state
-    return mixed.addcmul_(post.to(dtype).unsqueeze(-1), out.to(dtype).unsqueeze(-2))
+    flat = state.reshape(-1, *state.shape[-2:])
+    out = out.to(state.dtype).reshape(-1, state.shape[-1])
+    y = _Write.apply(_per_token(mix, state, 2), flat, _per_token(post, state, 1), out)
+    return y.view(state.shape)
 
 
 def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre: torch.Tensor,
@@ -59,13 +110,19 @@ def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre
         B[l] = B_static[l] + s_b z[l, n + 1]      (scale = (s_a, s_b))."""
     n = state.shape[-2]
     dtype = state.dtype
-    normed = F.rms_norm(state, (state.shape[-1],), eps=eps)
-    z = torch.tanh(normed @ proj.to(dtype))  # (..., n, n + 2)
+    z = torch.tanh(_rms_projection(state, proj.to(dtype), eps))  # (..., n, n + 2)
     s = scale.to(dtype)
     gains = torch.cat([s[:1].expand(n + 1), s[1:]])
     z = z * gains
     return (pre.to(dtype) + z[..., 0], res.to(dtype) + z[..., 1:n + 1],
             post.to(dtype) + z[..., n + 1])
+
+
+def _rms_projection(x: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) proj over x's last dim (no norm weight), as (x proj) / rms(x): the
+    normalised x (as large as the state) is never made, nor kept for the backward."""
+    r = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return (x @ proj) * r
 
 
 def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
@@ -78,10 +135,10 @@ def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
         H_res = Sinkhorn(a_res z_res + b_res)."""
     n = state.shape[-2]
     dtype = state.dtype
-    x = F.rms_norm(state.flatten(-2), (state.shape[-2] * state.shape[-1],), eps=eps)
+    z = _rms_projection(state.flatten(-2), proj.to(dtype), eps)
     s = scale.to(dtype)
     gains = torch.cat([s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)])
-    logits = torch.addcmul(bias.to(dtype), x @ proj.to(dtype), gains)
+    logits = torch.addcmul(bias.to(dtype), z, gains)
     pre = torch.sigmoid(logits[..., :n])
     post = 2 * torch.sigmoid(logits[..., n:2 * n])
     res = sinkhorn(logits[..., 2 * n:].unflatten(-1, (n, n)), iters)
