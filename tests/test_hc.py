@@ -189,7 +189,9 @@ def test_config_errors_name_the_key(kw, key, words):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["hc-n2-gpt", "hc-static-n4-gpt", "mhc-n4-gpt"])
+@pytest.mark.parametrize("case", [pytest.param("hc-n2-gpt", marks=pytest.mark.slow),
+                                  pytest.param("hc-static-n4-gpt", marks=pytest.mark.slow),
+                                  "mhc-n4-gpt"])
 def test_cached_greedy_equals_full_forward_greedy(case):
     """The connections are per token: the KV cache is all the state a decoding step needs."""
     from pretrain.generation import generate
@@ -220,7 +222,8 @@ def test_record_gives_every_sublayers_mhc_weights():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["hc-n4-llama", "mhc-n2-llama"])
+@pytest.mark.parametrize("case", ["hc-n4-llama",
+                                  pytest.param("mhc-n2-llama", marks=pytest.mark.slow)])
 def test_every_checkpointing_mode_gives_the_loss_and_gradients_of_none(case):
     """fp64, dropout on: a unit's input and output are the n-stream state, and it
     recomputes the mix into its first sub-layer (tests/test_checkpointing_attnres.py)."""
