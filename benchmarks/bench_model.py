@@ -9,7 +9,8 @@ AdamW) on the same tokens:
 
 - ours: `transformer`, `dense-1x1`, `dense-4x1`, `dense-4x5` (pretrain.model.DenseFormer),
   and the other depth connections: `attnres-full`, `attnres-block8` (Attention Residuals),
-  `mudd`, `mudd-static` (MUDD, qkvr streams);
+  `mudd`, `mudd-static` (MUDD, qkvr streams), `hc`, `mhc` (dynamic Hyper-Connections and
+  mHC, n = 4 streams);
   with `--llama` also `llama-transformer`, `llama-1x1`, `llama-4x5` (Llama-style blocks,
   SwiGLU width 8/3 x width rounded to 64: about the gpt block's parameter count), whose
   ratio is also given to the llama Transformer;
@@ -54,7 +55,9 @@ PATTERNS = {"1x1": (1, 1), "4x1": (4, 1), "4x5": (4, 5)}
 CONNECTIONS = {"attnres-full": dict(connection="attnres"),
                "attnres-block8": dict(connection="attnres", attnres_blocks=8),
                "mudd": dict(connection="mudd"),
-               "mudd-static": dict(connection="mudd", mudd_dynamic=False)}
+               "mudd-static": dict(connection="mudd", mudd_dynamic=False),
+               "hc": dict(connection="hc", hc_streams=4),
+               "mhc": dict(connection="mhc", hc_streams=4)}
 LLAMA_PATTERNS = (None, "1x1", "4x5")
 LLAMA_BLOCK = dict(block="llama", ffn_multiple_of=64)
 
@@ -70,8 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--no-dwa-alone", action="store_true", help="skip the DWA-alone section")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--only", metavar="NAMES", type=lambda v: set(v.split(",")),
-                   help="comma-separated variants to run (the transformer always runs), e.g. "
-                        "mudd,mudd-static")
+                   help="only these train-step rows, comma-separated (the transformer is "
+                        "always run: the ratios are to it), e.g. --only mudd,hc")
     args = p.parse_args(argv)
     if min(args.layers, args.width, args.rounds, args.threads) < 1:
         p.error("--layers, --width, --rounds and --threads must be >= 1")
@@ -227,6 +230,11 @@ def main(argv=None) -> None:
         bandwidths.append(copy_bandwidth())
 
     steps = train_steps(args)
+    if args.only:
+        unknown = args.only - steps.keys()
+        if unknown:
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; known: {sorted(steps)}")
+        steps = {n: s for n, s in steps.items() if n in args.only | {"transformer"}}
     times = interleaved({n: fn for n, (_, fn) in steps.items()}, args.rounds, measure)
     peak, bandwidth = statistics.median(peaks), statistics.median(bandwidths)
     tokens = args.batch * args.seq

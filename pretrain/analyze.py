@@ -1,6 +1,7 @@
 """`python -m pretrain analyze`: the DWA weights of a checkpoint, or of every checkpoint of a run
 (for Attention Residuals, their depth weights over a validation batch: attnres_analysis.py;
-for MUDD its mixes' weights: mudd_analysis.py).
+for MUDD its mixes' weights: mudd_analysis.py; for Hyper-Connections, their weights per
+sub-layer: hc_analysis.py).
 
     python -m pretrain analyze --checkpoint runs/tiny/checkpoints/step-00000300 --out dwa/
     python -m pretrain analyze --run runs/tiny --out dwa/
@@ -165,7 +166,8 @@ def collect(args: argparse.Namespace, model: torch.nn.Module
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """Write the heatmap(s), the grid for a run, and dwa_stats.json into --out (for an
-    AttnRes model: pretrain/attnres_analysis.py; MUDD: pretrain/mudd_analysis.py)."""
+    AttnRes model: pretrain/attnres_analysis.py; MUDD: pretrain/mudd_analysis.py; HC or mHC:
+    pretrain/hc_analysis.py)."""
     # deferred: pulls in sentencepiece, torch (slow to start, or optional)
     from parallel.primitives import groups
     from pretrain.dwa_plots import heatmap_name, write_dwa_grid, write_dwa_heatmap
@@ -185,6 +187,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             from pretrain.mudd_analysis import analyze_mudd
 
             return analyze_mudd(args, model, source, _step)
+        if model.hc_names:
+            # deferred: pulls in torch (slow to start, or optional)
+            from pretrain.hc_analysis import analyze_hc
+
+            return analyze_hc(args, model, source, _step)
         found = collect(args, model)
     finally:
         groups.destroy()

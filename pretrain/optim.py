@@ -14,18 +14,19 @@ import torch
 from torch import nn
 
 from pretrain.config import ConfigError
+from pretrain.model import hc
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_alphas: bool) -> list[dict]:
     """Decay matrices (linear weights, embedding); never norms, biases or gains; the depth
     connections' weights (DWA alphas, AttnRes queries and key norms, MUDD's static weights
-    and dynamic-weight MLPs) only if `decay_alphas`
-    (the DenseFormer paper's code does not decay them)."""
+    and dynamic-weight MLPs, Hyper-Connections' weights) only if `decay_alphas` (the
+    DenseFormer paper's code does not decay them)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if name.endswith(("dwa_alpha", "attnres_query", "attnres_key_norm")) \
+        if name.endswith(("dwa_alpha", "attnres_query", "attnres_key_norm", *hc.PARAMETERS)) \
                 or name.startswith(("mudd_static.", "mudd_w1.", "mudd_w2.")):
             (decay if decay_alphas else no_decay).append(param)
         elif param.ndim >= 2:

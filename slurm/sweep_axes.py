@@ -51,8 +51,9 @@ def number_list(grid: dict, key: str, kind: type | tuple, positive: bool = False
 
 def _shorthand(name: str) -> dict[str, Any] | None:
     """The model keys of "transformer", "denseformer-KxP", "attnres" (full Attention
-    Residuals), "attnres-blockN", "mudd" and "mudd-static" (MUDD, qkvr streams); None for
-    other names."""
+    Residuals), "attnres-blockN", "mudd" and "mudd-static" (MUDD, qkvr streams), "hc"
+    (dynamic Hyper-Connections), "hc-static" and "mhc" (n = 4 streams, the keys' defaults);
+    None for other names."""
     if name == "transformer":
         return {"model.dwa": False}
     match = re.fullmatch(r"denseformer-(\d+)x(\d+)", name)
@@ -65,19 +66,24 @@ def _shorthand(name: str) -> dict[str, Any] | None:
                 "model.attnres_blocks": None if match[1] is None else int(match[1])}
     if name in ("mudd", "mudd-static"):
         return {"model.connection": "mudd", "model.mudd_dynamic": name == "mudd"}
+    if name in ("hc", "hc-static"):
+        return {"model.connection": "hc", "model.hc_dynamic": name == "hc"}
+    if name == "mhc":
+        return {"model.connection": "mhc"}
     return None
 
 
 def parse_architecture(item: Any, key: str = "grid.architecture") -> Architecture:
     """"transformer", "denseformer-KxP", "attnres", "attnres-blockN", "mudd", "mudd-static",
-    or {name: ..., set: {model.key: value}, lr: [...], warmup: [...]} (a shorthand name in
-    the mapping brings its own model keys too)."""
+    "hc", "hc-static", "mhc", or {name: ..., set: {model.key: value}, lr: [...], warmup:
+    [...]} (a shorthand name in the mapping brings its own model keys too)."""
     if isinstance(item, str):
         overrides = _shorthand(item)
         if overrides is None:
             raise SweepError(f"{key}: {item!r}: use transformer, denseformer-KxP (e.g. "
                              "denseformer-4x5), attnres, attnres-blockN (e.g. attnres-block8), "
-                             "mudd, mudd-static or {name: ..., set: {model.key: value}}")
+                             "mudd, mudd-static, hc, hc-static, mhc or "
+                             "{name: ..., set: {model.key: value}}")
         return Architecture(item, overrides)
     if isinstance(item, dict) and set(item) <= ARCHITECTURE_KEYS and "name" in item:
         name = check_name(item["name"], f"{key}.name")

@@ -264,5 +264,51 @@ def test_analyze_mudd_writes_mean_and_spread_per_mix_and_stream(mudd_run, tmp_pa
     assert main(["generate", "--run", str(mudd_run), "--prompt", "the", "--max-new-tokens",
                  "4"]) == 0
     assert main(["export-hf", "--run", str(mudd_run), "--out", str(tmp_path / "hf")]) == 2
-    assert "model.connection: mudd has no Hugging Face export" in capsys.readouterr().err
+    assert "model.connection: mudd: export-hf does not support it" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+# -- Hyper-Connections: static weights as they are, dynamic ones over a validation batch -----
+
+@pytest.fixture(scope="module")
+def hc_runs(tiny_data, tmp_path_factory):
+    """Two 2-step runs of 2 blocks: mHC with 2 streams, static HC with 3."""
+    runs = {}
+    for name, keys in (("mhc", ("model.connection=mhc", "model.hc_streams=2")),
+                       ("static", ("model.connection=hc", "model.hc_dynamic=false",
+                                   "model.hc_streams=3"))):
+        run_dir = tmp_path_factory.mktemp(f"analyze-{name}") / "run"
+        done = run(train_cmd(tiny_data, run_dir, "model.n_layers=2", *keys, "train.steps=2",
+                             "optim.warmup_steps=1", "optim.lr=0.05", "data.val_batches=0",
+                             "checkpoint.every=2", "tracking.enabled=false"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = run_dir
+    return runs
+
+
+@pytest.mark.slow  # two training runs: about 45 s on 2 cores
+@pytest.mark.timeout(180)
+def test_analyze_hc_draws_static_weights_and_dynamic_mean_and_spread(hc_runs, tmp_path):
+    step = "step-00000002"
+    analyze("--checkpoint", hc_runs["mhc"] / "checkpoints" / step, "--out", tmp_path / "m",
+            "--batch-size", "4")
+    assert (tmp_path / "m" / f"{step}.png").read_bytes()[:8] == PNG_MAGIC
+    stats = json.loads((tmp_path / "m" / "hc_stats.json").read_text())
+    assert stats["model"] == {"n_layers": 2, "connection": "mhc", "hc_streams": 2,
+                              "dynamic": True}
+    assert stats["batch"] == {"sequences": 4, "tokens": 32}
+    (entry,) = stats["checkpoints"]
+    mix = torch.tensor(entry["mean"]["mix"])
+    assert mix.shape == (4, 2, 2)  # 4 sub-layers, H_res (destination, source)
+    torch.testing.assert_close(mix.sum(-2), torch.ones(4, 2))  # doubly stochastic
+    assert torch.tensor(entry["std"]["pre"]).max() > 0  # weights differ between tokens
+
+    analyze("--run", hc_runs["static"], "--out", tmp_path / "s")
+    stats = json.loads((tmp_path / "s" / "hc_stats.json").read_text())
+    assert stats["model"]["dynamic"] is False and "batch" not in stats
+    (entry,) = stats["checkpoints"]
+    assert (tmp_path / "s" / entry["heatmap"]).read_bytes()[:8] == PNG_MAGIC
+    assert torch.tensor(entry["mix"]).shape == (4, 3, 3)
+    assert torch.tensor(entry["post"]).shape == (4, 3)
+    # Trained two steps away from Ar = I.
+    assert (torch.tensor(entry["mix"]) - torch.eye(3)).abs().max() > 1e-4

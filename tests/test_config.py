@@ -221,6 +221,10 @@ INVALID = [
     (["model.vocab_pad_multiple=2", "parallel.tp=4"], None, "parallel.tp",
      "vocab_pad_multiple=2"),
     (["model.n_layers=2", "parallel.pp=3"], None, "parallel.pp", "n_layers >= pp"),
+    (["model.connection=hc", "parallel.pp=2"], None, "parallel.pp",
+     "not available with model.connection=hc"),
+    (["model.connection=mhc", "parallel.pp=2"], None, "parallel.pp",
+     "not available with model.connection=mhc"),
     (["parallel.zero_stage=4"], None, "parallel.zero_stage", "in [0, 3], got 4"),
     (["parallel.zero_stage=2", "parallel.tp=2"], None, "parallel.zero_stage",
      "only support ZeRO-1 with model parallelism"),
@@ -372,6 +376,13 @@ def test_tiny_mudd_config():
     assert m.depth_connection == "mudd" and not m.has_dwa
     assert (m.mudd_layout.streams, m.mudd_layout.dynamic) == ("qkvr", True)
     assert m.architecture == "MUDD" and m.ignored_dwa_note() is None
+
+
+def test_tiny_hc_configs():
+    """The tiny shape with dynamic HC and with mHC, 4 streams, and no note."""
+    for name, arch in (("tiny-hc", "HC n=4"), ("tiny-mhc", "mHC n=4")):
+        m = load_config(REPO / "configs" / f"{name}.yaml").model
+        assert m.architecture == arch and not m.has_dwa and m.ignored_dwa_note() is None
 
 
 def test_baselines():

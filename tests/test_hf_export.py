@@ -169,6 +169,21 @@ def test_lm_eval_hf_model_reads_the_export(bpe, tmp_path):
     assert score == pytest.approx(ours, rel=1e-5)
 
 
+@pytest.mark.parametrize("connection", ["hc", "mhc"])
+def test_hyper_connections_are_refused_by_name(connection, bpe, tmp_path, capsys):
+    from pretrain.cli import main
+    from pretrain.model import DenseFormer, DenseFormerConfig
+
+    model = DenseFormer(DenseFormerConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=VOCAB,
+                                          seq_len=24, connection=connection))
+    source = write_export(model, bpe, tmp_path / "native")
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--checkpoint", str(source), "--out", str(out)]) == 2
+    assert f"model.connection: {connection}: export-hf does not support it" \
+        in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_non_empty_out_is_refused(bpe, tmp_path, capsys):
     from pretrain.cli import main
 

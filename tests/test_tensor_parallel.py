@@ -4,8 +4,8 @@ Reference results come from a TP=1 model built in this test process; the ranks r
 same model (layout-independent init), gather their sharded gradients into full tensors and
 compare. Tolerance: loss 1e-5 absolute, each gradient 1e-5 relative (fp32). The cases
 include Attention Residuals, full and block, whose replicated queries and key norms must get
-the TP1 gradient on every rank (summed over the sequence slices under SP), and MUDD, whose
-replicated mix weights likewise.
+the TP1 gradient on every rank (summed over the sequence slices under SP), and MUDD, dynamic
+HC and mHC, whose replicated weights must too.
 """
 
 import json
@@ -33,6 +33,9 @@ CASES = {  # name -> DenseFormerConfig overrides
     # through the column-parallel QKV rows (under SP: each gathered on its own).
     "mudd": dict(connection="mudd", block="llama"),
     "mudd-static-r": dict(connection="mudd", mudd_dynamic=False, mudd_streams="r"),
+    # Hyper-Connections: replicated weights too, the n-stream state (S / TP, B, n, H) under SP.
+    "hc-dynamic": dict(connection="hc", hc_streams=3),
+    "mhc": dict(connection="mhc", block="llama"),
 }
 MAX_TP = {"llama-gqa-untied": 2}
 
@@ -60,6 +63,11 @@ def make_model(case: str, sequence_parallel: bool = False):
             for name, p in model.named_parameters():
                 if name.startswith(("mudd_static", "mudd_w2")):
                     p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    if model.hc_names:  # away from the initial weights, the dynamic terms large
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in model.hc_parameters().values():
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
     return model
 
 

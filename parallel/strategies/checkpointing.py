@@ -39,7 +39,12 @@ kept are the X_j that cross unit boundaries (each once) and the output mix's per
 state; `block` also keeps each unit's entry. Each unit runs on a connection state `within`
 its own consumers, so the phase-1 prefixes it makes are read inside it only and made again
 when it is recomputed; outside the units the mixes run one consumer at a time
-(docs/memory.md#attention-residuals). Under
+(docs/memory.md#attention-residuals).
+
+Hyper-Connections (pretrain/model/hc.py): the unit's input and output are the n-stream state
+(X_{2a-2} in, X_{2b} out), in every mode; the mix into the unit's first sub-layer and its
+write are one step, so a unit always recomputes that mix from the state (`block` and
+`dwa_block` are the same). Under
 pipeline parallelism each stage runs its own slice of the program
 (parallel/strategies/stage_model.py); there `block` with n = 1 is available and the other
 modes are refused by config validation.
@@ -54,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.attnres import AttnResConnections
 from pretrain.model.dwa import BufferedDWA
+from pretrain.model.hc import HCConnections
 from pretrain.model.program import ProgramRun, StageProgram
 
 MODES = ("none", "block", "dwa_block")
@@ -133,6 +139,7 @@ class _UnitRunner:
         self.program: StageProgram = model.program
         connections = model.training_connections(x0, functional)
         self.buffered = isinstance(connections, BufferedDWA)
+        self.hc = isinstance(connections, HCConnections)
         self.connections = _HandedAfter(connections) if self.buffered else connections
         outer = self.connections
         if isinstance(connections, AttnResConnections):  # one consumer at a time outside units
@@ -144,6 +151,8 @@ class _UnitRunner:
         """Whether the unit whose first step is `start` recomputes that step's input (a
         DWA from the held X_j, or an X_j read back from its buffer) instead of keeping it."""
         src = self.program.steps[start].input
+        if self.hc:  # the mix and the write of one step run in the same unit
+            return True
         return self.lead_dwa and (src.kind not in ("x", "h") or (
             self.buffered and src.kind == "x" and src.index in self.program.held))
 

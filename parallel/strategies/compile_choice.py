@@ -49,6 +49,9 @@ def compile_mode(setting: str, parallel: ParallelSection, model: DenseFormerConf
         return "blocks", "train.compile=auto with pipeline stages"
     if m.has_dwa:
         return "blocks", "train.compile=auto for a DenseFormer (its buffered DWAs stay eager)"
+    if m.hc_layout is not None:
+        return "model", ("train.compile=auto for Hyper-Connections without pipeline stages "
+                         "(the mixes trace into the one graph)")
     if m.attnres_layout is not None:
         return "model", ("train.compile=auto for Attention Residuals without pipeline stages "
                          "(the mixes trace into the one graph)")

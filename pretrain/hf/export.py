@@ -105,9 +105,11 @@ def export_hf(path: Path, out: Path) -> Path:
         if ours:
             groups.destroy()
     cfg = model.config
-    if cfg.mudd_layout is not None:  # refused before anything is written
-        raise ConfigError("model.connection", "mudd has no Hugging Face export: the exported "
-                          "modeling code implements the DWA and Attention Residuals only")
+    if cfg.mudd_layout is not None or cfg.hc_layout is not None:  # refused before writing
+        raise ConfigError("model.connection", f"{cfg.depth_connection}: export-hf does not "
+                          "support it (the exported modeling code implements the DWA and "
+                          "Attention Residuals only); use the native checkpoint (`generate`, "
+                          "`evaluate`)")
     state = {name: value.detach().float() for name, value in model.named_parameters()}
     if cfg.block == "llama" and cfg.depth_connection == "none" and not cfg.skip_gains:
         hf_model = llama_model(cfg, state, tokenizer)  # plain transformers, no remote code

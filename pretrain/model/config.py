@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pretrain.model.attnres_layout import AttnResLayout
 from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
 from pretrain.model.mudd_program import MuddLayout
+from pretrain.model.hc_program import HCLayout
 
 RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
 
@@ -111,9 +112,11 @@ class DenseFormerConfig:
     vocab_size: int | None = ranged(None, ge=1)
     seq_len: int = ranged(128, ge=1)
     # The depth connection (docs/connections.md): none (a Transformer's residual stream),
-    # dwa (DenseFormer's depth weighted averages) or attnres (Attention Residuals). null:
-    # the shorthand `dwa` decides (true: dwa, false: none).
-    connection: Literal["none", "dwa", "attnres", "mudd"] | None = None
+    # dwa (DenseFormer's depth weighted averages), attnres (Attention Residuals), mudd
+    # (MUltiway Dynamic Dense connections), hc (Hyper-Connections) or mhc
+    # (manifold-constrained Hyper-Connections). null: the shorthand `dwa` decides (true: dwa,
+    # false: none).
+    connection: Literal["none", "dwa", "attnres", "mudd", "hc", "mhc"] | None = None
     # Depth weighted averages: dilation k, period p ("k x p"); dwa=False is a plain Transformer.
     dwa: bool = True
     dwa_dilation: int = ranged(1, ge=1)
@@ -138,6 +141,12 @@ class DenseFormerConfig:
     # each block apart; r the residual alone (pretrain/model/mudd.py). null: qkvr.
     mudd_dynamic: bool | None = None
     mudd_streams: Literal["qkvr", "r"] | None = None
+    # Hyper-Connections (hc, mhc): the residual stream's n streams (null: 4).
+    hc_streams: int | None = ranged(None, ge=1)
+    # hc only: dynamic (input-dependent) weights on top of the static ones (null: true).
+    hc_dynamic: bool | None = None
+    # mhc only: Sinkhorn-Knopp iterations projecting H_res (null: 20).
+    mhc_sinkhorn_iters: int | None = ranged(None, ge=1)
     # Skips-with-gains baseline: a learned scalar gain on each residual connection.
     skip_gains: bool = False
     mlp_ratio: int = ranged(4, ge=1)
@@ -184,10 +193,13 @@ class DenseFormerConfig:
             raise ModelConfigError("connection", f"must be one of {', '.join(CONNECTIONS)} (or "
                                                  f"null), got {self.connection!r}")
         for key, owner in CONNECTION_KEYS.items():
-            if getattr(self, key) is not None and self.depth_connection != owner:
-                raise ModelConfigError(key, f"belongs to model.connection={owner}, but the "
-                                            f"connection is {self.depth_connection}: set it to "
-                                            "null or change the connection")
+            owners = owner if isinstance(owner, tuple) else (owner,)
+            if getattr(self, key) is not None and self.depth_connection not in owners:
+                if key == "hc_dynamic" and self.depth_connection == "mhc":
+                    raise ModelConfigError(key, "mHC is dynamic by definition: set it to null")
+                raise ModelConfigError(key, f"belongs to model.connection={' or '.join(owners)}"
+                                            f", but the connection is {self.depth_connection}:"
+                                            " set it to null or change the connection")
         if self.attnres_blocks is not None and (2 * self.n_layers) % self.attnres_blocks:
             raise ModelConfigError("attnres_blocks", f"{self.attnres_blocks} blocks do not "
                                    f"divide the {2 * self.n_layers} sub-layers (2 x n_layers)")
@@ -254,6 +266,8 @@ class DenseFormerConfig:
             layout = self.mudd_layout
             return ("MUDD" + ("" if layout.dynamic else " static")
                     + ("" if layout.streams == "qkvr" else " r"))
+        if self.hc_layout is not None:
+            return self.hc_layout.name
         return "Transformer"
 
     @property
@@ -315,6 +329,14 @@ class DenseFormerConfig:
             return None
         return MuddLayout(self.n_layers, self.mudd_streams or "qkvr",
                           self.mudd_dynamic is not False)
+    def hc_layout(self) -> HCLayout | None:
+        """The Hyper-Connections' shape (hc, mhc); None under another connection."""
+        kind = self.depth_connection
+        if kind not in ("hc", "mhc"):
+            return None
+        return HCLayout(kind, self.n_layers, self.hc_streams or 4,
+                        kind == "mhc" or self.hc_dynamic is not False,
+                        self.mhc_sinkhorn_iters or 20)
 
     def block_matmul_params(self) -> int:
         """Weights of one block's matmuls: q, k, v, output projection and the MLP."""
@@ -337,6 +359,8 @@ class DenseFormerConfig:
             n += self.attnres_layout.n_params(h)
         if self.mudd_layout is not None:
             n += self.mudd_layout.n_params(h)
+        if self.hc_layout is not None:
+            n += self.hc_layout.n_params(h)
         if not non_embedding:
             n += self.padded_vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
@@ -350,7 +374,11 @@ class DenseFormerConfig:
         for Attention Residuals 6 * d_model * 2 * (sources summed over consumers): a
         multiply-add for each source's logit and one for its share of the sum; for MUDD
         6 * (sum_i C_i (i + 1) d_model (the mixes) + sum_i K_i (d_model + K_i) (the dynamic
-        weights' MLP, none when static)), `MuddLayout.mix_macs`.
+        weights' MLP, none when static)), `MuddLayout.mix_macs`; for Hyper-Connections
+        6 * (their multiply-adds per token, hc_program.py `HCLayout.n_macs`): per sub-layer
+        (n^2 + 2n) H for the input mix and the write, plus n (n + 2) H for dynamic HC's
+        projection or n (n^2 + 2n) H for mHC's, plus n H for the output's sum over the n
+        streams.
         """
         h = self.d_model
         matmul = self.n_layers * self.block_matmul_params() + self.padded_vocab_size * h
@@ -360,13 +388,17 @@ class DenseFormerConfig:
             depth += 2 * self.attnres_layout.n_reads() * h
         if self.mudd_layout is not None:
             depth += self.mudd_layout.mix_macs(h)
+        if self.hc_layout is not None:
+            depth += self.hc_layout.n_macs(h)
         return 6.0 * matmul + attention + 6.0 * depth
 
 
-CONNECTIONS = ("none", "dwa", "attnres", "mudd")
-# Keys of one connection that must stay null under another (the DWA's own keys predate the
-# interface and have defaults: `DWA_KEYS`, ignored with a warning instead).
-CONNECTION_KEYS = {"attnres_blocks": "attnres", "mudd_dynamic": "mudd", "mudd_streams": "mudd"}
+CONNECTIONS = ("none", "dwa", "attnres", "mudd", "hc", "mhc")
+# Keys of one connection (or of several: a tuple) that must stay null under another (the
+# DWA's own keys predate the interface and have defaults: `DWA_KEYS`, ignored with a warning
+# instead).
+CONNECTION_KEYS = {"attnres_blocks": "attnres", "mudd_dynamic": "mudd", "mudd_streams": "mudd",
+                   "hc_streams": ("hc", "mhc"), "hc_dynamic": "hc", "mhc_sinkhorn_iters": "mhc"}
 DWA_KEYS = ("dwa_dilation", "dwa_period", "dwa_window", "dwa_init_offdiag", "dwa_dtype",
             "dwa_impl")
 

@@ -1,5 +1,6 @@
 """DenseFormer language model (a plain Transformer when `dwa=False`; Attention Residuals
-when `connection=attnres`; MUDD when `connection=mudd`).
+when `connection=attnres`; MUDD when `connection=mudd`; Hyper-Connections when
+`connection=hc` or `mhc`).
 
     X_0 = embed(tokens);  X_i = block_i(Y_{i-1});  Y_i = DWA_i(X_0..X_i) or X_i;
     logits = LM_head(final_norm(Y_d))          (LM head: the embedding's transpose, or
@@ -32,6 +33,8 @@ from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_inference import DecodeDWAState, PrefillDWAState
 from pretrain.model.dwa_weights import DWAWeights
+from pretrain.model.hc import HCConnections, new_parameters
+from pretrain.model.hc_program import hc_program
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import vocab_embedding
@@ -84,6 +87,12 @@ class DenseFormer(nn.Module):
             self.program = mudd_program(cfg.mudd_layout)
             self.mudd_static, self.mudd_w1, self.mudd_w2 = MuddWeights.new_parameters(
                 cfg.mudd_layout, cfg.d_model)
+        self.hc_names: tuple[str, ...] = ()
+        if cfg.hc_layout is not None:  # Hyper-Connections (pretrain/model/hc.py)
+            self.program = hc_program(cfg.hc_layout)
+            for name, param in new_parameters(cfg.hc_layout, cfg.d_model).items():
+                setattr(self, name, param)
+            self.hc_names = tuple(new_parameters(cfg.hc_layout, 1))
         # Set by parallel.strategies.checkpointing.apply_activation_checkpointing: run_blocks runs
         # the program in checkpointed units.
         self.activation_checkpointing = None
@@ -118,19 +127,28 @@ class DenseFormer(nn.Module):
         return run_program(self.program, self.block, self.training_connections(x0, functional),
                            {0: x0})
 
-    def training_connections(self, like: torch.Tensor, functional: bool):
+    def training_connections(self, like: torch.Tensor, functional: bool,
+                             record: dict | None = None):
         """The connection state of one training forward pass: the DWAs'
         (pretrain/model/dwa.py), Attention Residuals' (pretrain/model/attnres.py) or
-        MUDD's (pretrain/model/mudd.py)."""
+        MUDD's (pretrain/model/mudd.py) or Hyper-Connections' (pretrain/model/hc.py;
+        `record`: see `HCConnections`)."""
         if self.mudd_static is not None:
             return MuddConnections((self.mudd_static, self.mudd_w1, self.mudd_w2),
                                    self.config.mudd_layout, self.config.norm_eps, like,
                                    functional)
+        if self.hc_names:
+            return HCConnections(self.config.hc_layout, self.hc_parameters(),
+                                 self.config.norm_eps, record)
         if self.attnres_query is not None:
             return AttnResConnections(self.attnres_query, self.attnres_key_norm,
                                       self.config.norm_eps, self.config.attnres_layout)
         return training_connections(self.dwa_pattern.layout, self.dwa_alpha, like, functional,
                                     storage_dtype(self.config.dwa_dtype), self.config.dwa_impl)
+
+    def hc_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: parameter} of the Hyper-Connections (empty under another connection)."""
+        return {name: getattr(self, name) for name in self.hc_names}
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -189,8 +207,9 @@ class DenseFormer(nn.Module):
         decoding step) uses the cache's fixed `DecodeDWAState`."""
         pattern, storage = self.dwa_pattern, storage_dtype(self.config.dwa_dtype)
         x0 = self.embed(tokens)
-        if self.attnres_query is not None or self.mudd_static is not None:
-            # Per token: the KV cache is all the state.
+        # Per token (Attention Residuals, MUDD, Hyper-Connections): the KV cache is all the
+        # state.
+        if self.attnres_query is not None or self.mudd_static is not None or self.hc_names:
             y = run_program(self.program, self.block, self.training_connections(x0, False),
                             {0: x0}, kv=cache.layers)
             return self.head(y[:, -1:] if last_only else y)

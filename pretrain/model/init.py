@@ -7,7 +7,8 @@ N(0, std / sqrt(2 d)) for the residual output projections, ones for norms and ga
 DWA alphas from the config's `DWAPattern.initial_alpha` (identity: alpha[i, i] = 1);
 zeros for the Attention Residuals queries (their key norms: ones, as every norm); for MUDD
 (pretrain/model/mudd.py) the static weights a_i 1 on X_i and 0 elsewhere, W1_i N(0, std),
-W2_i zeros (so the model equals the Transformer at init).
+W2_i zeros (so the model equals the Transformer at init); the Hyper-Connections' weights as
+pretrain/model/hc.py says (`initial_value`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from pretrain.model import hc
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.mudd import initial_static
 
@@ -56,6 +58,8 @@ def full_init_value(name: str, shape: tuple[int, ...], cfg: DenseFormerConfig, s
         return initial_static(shape)
     if name.startswith("mudd_w2."):
         return torch.zeros(shape)
+    if name in hc.PARAMETERS:
+        return hc.initial_value(name, cfg.hc_layout, shape)
     if name.endswith(_NORMAL) or name.startswith("mudd_w1."):
         std = cfg.init_std
         if name.endswith(_RESIDUAL_PROJECTIONS):

@@ -88,13 +88,15 @@ class Step(NamedTuple):
     X_i), its attention sub-layer (H_i) or its MLP sub-layer (X_i, from H_i); or, for a
     connection that reads sub-layer outputs (Attention Residuals), one sub-layer's branch
     without its skip (`attention_branch`, `mlp_branch`), whose output is X_`out`, plus
-    X_`residual` when that is set."""
+    X_`residual` when that is set; or, with `write` (Hyper-Connections, whose X_j is an
+    n-stream state), the connection state's `write` of the branch output into X_`residual`."""
 
     block: int
     layer: Literal["block", "attention", "mlp", "attention_branch", "mlp_branch"]
     input: Source
     out: int | None = None
     residual: int | None = None
+    write: bool = False
 
     @property
     def output(self) -> tuple[str, int]:
@@ -257,7 +259,9 @@ class Connections(Protocol):
     later source reads X_j). `mix(source, handles, live)`: form `source` (a `dwa` source's
     terms, or a connection kind of the state's) from the handles of the X_j in its terms;
     `live` is the stream's latest output when it is X_{source.index} (a `dwa` source's
-    diagonal term) or, for a connection between sub-layers, H_i."""
+    diagonal term) or, for a connection between sub-layers, H_i. `write(step, state, out)`
+    (only for a state whose program has `Step.write` steps): X_`step.out` from the state
+    X_`step.residual` and the branch output `out`."""
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, object]: ...
 
@@ -326,7 +330,11 @@ class ProgramRun:
             skip = None if step.residual is None else self.value(step.residual)
             y = entry if n == start and entry is not None else self.form(n)
             out = self.layer(step, y)
-            self.keep(step.output, out if skip is None else skip + out)
+            if step.write:
+                out = self.connections.write(step, skip, out)
+            elif skip is not None:
+                out = skip + out
+            self.keep(step.output, out)
         return self.stream
 
     def value(self, j: int) -> torch.Tensor:

@@ -1,0 +1,223 @@
+"""The arithmetic of Hyper-Connections on the n-stream state, per token: what `HCConnections`
+(pretrain/model/hc.py) runs. The state is one tensor (..., n, H) (token-major: (B, S, n, H),
+or (S, B, n, H) under sequence parallelism); every weight below is per token (..., n) or
+(..., n, n), or shared by all tokens ((n,), (n, n)), and broadcasts.
+
+- `read`: the sub-layer's input h = sum_k pre[k] X[k], one (1, n) x (n, H) product per token.
+- `write`: X'[k] = sum_l M[k, l] X[l] + post[k] out, one (n, n) x (n, H) product per token
+  (M is the destination-major mixing matrix: Ar^T for HC, H_res for mHC).
+- `hc_dynamic`: dynamic HC's weights from the RMS-normalised streams (tanh-gated, scaled).
+- `mhc_weights`: mHC's H_pre, H_post and H_res from the RMS-normalised flattened state,
+  H_res projected by `sinkhorn` (doubly stochastic after the iterations, to a tolerance).
+
+Autocast is off here (`no_autocast`): the mixes run in the state's dtype (fp32 for an fp32
+module under autocast: the embedding's), the Sinkhorn iterations in fp32 at least.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def no_autocast(x: torch.Tensor):
+    """A context with autocast off on x's device type."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def streams(x0: torch.Tensor, n: int) -> torch.Tensor:
+    """X_0 (..., H) copied into n streams (..., n, H) (a view: the copies share storage)."""
+    return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1])
+
+
+def _per_token(weights: torch.Tensor, state: torch.Tensor, dims: int) -> torch.Tensor:
+    """Weights of `dims` trailing dims, shared ((n,), (n, n)) or per token, as (T, ...) over
+    the state's T tokens in its dtype: shared ones expanded (a view), so that every product
+    is one batched matmul (bmm) over the tokens (a broadcast matmul of a shared matrix is
+    several times slower on the CPU); their gradient is summed back by autograd."""
+    tokens = state.shape[:-2].numel()
+    shape = weights.shape[-dims:]
+    weights = weights.to(state.dtype).expand(*state.shape[:-2], *shape)
+    return weights.reshape(tokens, *shape).contiguous()  # bmm of strided batches is slow
+
+
+class _Read(torch.autograd.Function):
+    """h = pre X per token: pre (T, n), X (T, n, H) -> (T, H). Backward: dX = pre^T dh (an
+    outer product per token), dpre = X dh; saves pre and X (which the program holds)."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, flat)
+        return torch.bmm(pre.unsqueeze(1), flat).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        pre, flat = ctx.saved_tensors
+        dh = dh.contiguous()
+        dflat = torch.bmm(pre.unsqueeze(2), dh.unsqueeze(1)) if ctx.needs_input_grad[1] else None
+        dpre = torch.bmm(flat, dh.unsqueeze(2)).squeeze(2) if ctx.needs_input_grad[0] else None
+        return dpre, dflat
+
+
+class _Write(torch.autograd.Function):
+    """Y = M X + post out^T per token: M (T, n, n), X (T, n, H), post (T, n), out (T, H) ->
+    (T, n, H). Backward: dX = M^T dY, dM = dY X^T, dpost = dY out, dout = post^T dY (four
+    batched products); saves the inputs (X held by the program, out by the branch)."""
+
+    @staticmethod
+    def forward(ctx, mix, flat, post, out):
+        ctx.save_for_backward(mix, flat, post, out)
+        y = torch.bmm(mix, flat)
+        return y.addcmul_(post.unsqueeze(2), out.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        mix, flat, post, out = ctx.saved_tensors
+        dy = dy.contiguous()
+        need = ctx.needs_input_grad
+        dmix = torch.bmm(dy, flat.transpose(1, 2)) if need[0] else None
+        dflat = torch.bmm(mix.transpose(1, 2), dy) if need[1] else None
+        dpost = torch.bmm(dy, out.unsqueeze(2)).squeeze(2) if need[2] else None
+        dout = torch.bmm(post.unsqueeze(1), dy).squeeze(1) if need[3] else None
+        return dmix, dflat, dpost, dout
+
+
+def read(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """h = sum_k pre[k] X[k]: pre (n,) or (..., n), state (..., n, H) -> (..., H)."""
+    flat = state.reshape(-1, *state.shape[-2:])
+    h = _Read.apply(_per_token(pre, state, 1), flat)
+    return h.view(*state.shape[:-2], state.shape[-1])
+
+
+def write(mix: torch.Tensor, post: torch.Tensor, state: torch.Tensor, out: torch.Tensor
+          ) -> torch.Tensor:
+    """X'[k] = sum_l mix[k, l] X[l] + post[k] out: mix (n, n) or (..., n, n), post (n,) or
+    (..., n), state (..., n, H), out (..., H) -> (..., n, H) in the state's dtype."""
+    flat = state.reshape(-1, *state.shape[-2:])
+    out = out.to(state.dtype).reshape(-1, state.shape[-1])
+    y = _Write.apply(_per_token(mix, state, 2), flat, _per_token(post, state, 1), out)
+    return y.view(state.shape)
+
+
+def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre: torch.Tensor,
+               res: torch.Tensor, post: torch.Tensor, eps: float):
+    """Dynamic HC's (pre (..., n), Ar (..., n, n), B (..., n)) for the state (..., n, H):
+    with Xn[l] = X[l] / rms(X[l]) and z = tanh(Xn proj) (..., n, n + 2),
+
+        pre[l] = Am[l] + s_a z[l, 0],  Ar[l, k] = Ar_static[l, k] + s_a z[l, 1 + k],
+        B[l] = B_static[l] + s_b z[l, n + 1]      (scale = (s_a, s_b))."""
+    n = state.shape[-2]
+    dtype = state.dtype
+    z = torch.tanh(_rms_projection(state, proj.to(dtype), eps))  # (..., n, n + 2)
+    s = scale.to(dtype)
+    gains = torch.cat([s[:1].expand(n + 1), s[1:]])
+    z = z * gains
+    return (pre.to(dtype) + z[..., 0], res.to(dtype) + z[..., 1:n + 1],
+            post.to(dtype) + z[..., n + 1])
+
+
+class _RMSProjection(torch.autograd.Function):
+    """z = (x proj) r, r = 1 / sqrt(mean(x^2) + eps) over x's last dim: RMSNorm(x) proj
+    without a norm weight, the normalised x (as large as the state) never made. Backward:
+    with gy = dz r, dproj = x^T gy and dx = gy proj^T - (sum(dz (x proj)) r^3 / H) x: one
+    product and one multiply-add over x. Saves x (held by the program) and (T, m) tensors."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = flat @ proj
+        r = torch.rsqrt(torch.linalg.vecdot(flat, flat) / flat.shape[-1] + eps).unsqueeze(1)
+        ctx.save_for_backward(x, proj, y, r)
+        return (y * r).view(*x.shape[:-1], proj.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dz: torch.Tensor):
+        x, proj, y, r = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
+        dz = dz.reshape(y.shape)
+        gy = dz * r
+        dproj = flat.T @ gy if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            coef = -(dz * y).sum(1, keepdim=True) * (r * r * r) / flat.shape[-1]
+            dx = torch.addmm(flat * coef, gy, proj.T).view(x.shape)
+        return dx, dproj, None
+
+
+def _rms_projection(x: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) proj over x's last dim (no norm weight), (..., m)."""
+    return _RMSProjection.apply(x, proj, eps)
+
+
+def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor, eps: float, iters: int):
+    """mHC's (H_pre (..., n), H_res (..., n, n), H_post (..., n)) for the state (..., n, H):
+    x = RMSNorm(flatten(X)) (..., n H), z = x proj (..., n^2 + 2n) laid out [pre | post |
+    res (row-major, [k, l])], scale = (a_pre, a_post, a_res):
+
+        H_pre = sigmoid(a_pre z_pre + b_pre),  H_post = 2 sigmoid(a_post z_post + b_post),
+        H_res = Sinkhorn(a_res z_res + b_res)."""
+    n = state.shape[-2]
+    dtype = state.dtype
+    z = _rms_projection(state.flatten(-2), proj.to(dtype), eps)
+    s = scale.to(dtype)
+    gains = torch.cat([s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)])
+    logits = torch.addcmul(bias.to(dtype), z, gains)
+    pre = torch.sigmoid(logits[..., :n])
+    post = 2 * torch.sigmoid(logits[..., n:2 * n])
+    res = sinkhorn(logits[..., 2 * n:].unflatten(-1, (n, n)), iters)
+    return pre, res.to(dtype), post
+
+
+def _iterates(logits: torch.Tensor, iters: int) -> list[torch.Tensor]:
+    """M_0 = exp(logits - max) (the shift cancels in the normalisations), then `iters`
+    rounds of (rows to sum 1, columns to sum 1): the 2 iters + 1 matrices, each laid out
+    (n, n, T) (row index, column index, token): the sums then run over leading dims, about
+    5 x faster on the CPU than over the 4 contiguous entries of a (T, n, n) row."""
+    flat = logits.reshape(-1, *logits.shape[-2:])
+    m = torch.exp(flat - flat.amax((-2, -1), keepdim=True)).permute(1, 2, 0).contiguous()
+    ms = [m]
+    for _ in range(iters):
+        for dim in (1, 0):  # rows (sum over the column index), then columns
+            m = m / m.sum(dim, keepdim=True)
+            ms.append(m)
+    return ms
+
+
+def _token_major(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An (n, n, T) matrix back in `like`'s (..., n, n) shape."""
+    return m.permute(2, 0, 1).reshape(like.shape)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Saves the logits only; the backward recomputes the iterates and runs their chain
+    rule in reverse (y = x / sum x: dx = (dy - sum(dy y)) / sum x), in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
+        ctx.iters = iters
+        ctx.save_for_backward(logits)
+        with no_autocast(logits):
+            return _token_major(_iterates(logits, iters)[-1], logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        with no_autocast(logits):
+            ms = _iterates(logits, ctx.iters)
+            g = grad.to(logits.dtype).reshape(-1, *logits.shape[-2:]).permute(1, 2, 0)
+            for t in range(len(ms) - 2, -1, -1):
+                dim = 1 if t % 2 == 0 else 0
+                g = (g - (g * ms[t + 1]).sum(dim, keepdim=True)) / ms[t].sum(dim, keepdim=True)
+            return _token_major(g * ms[0], logits), None
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """The Sinkhorn-Knopp projection of exp(logits) (..., n, n): `iters` alternating row
+    and column normalisations (columns sum to 1 exactly, rows to a tolerance that falls
+    with iters), in fp32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return _Sinkhorn.apply(logits.to(dtype), iters)
