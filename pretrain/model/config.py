@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pretrain.model.attnres_layout import AttnResLayout
 from pretrain.model.dwa_pattern import DWAPattern, pattern_for_shape
-from pretrain.model.mudd_program import MuddLayout
 from pretrain.model.hc_program import HCLayout
+from pretrain.model.mudd_program import MuddLayout
 
 RANGE = "range"  # the dataclass field metadata key that holds a numeric field's Range
 
@@ -329,6 +329,8 @@ class DenseFormerConfig:
             return None
         return MuddLayout(self.n_layers, self.mudd_streams or "qkvr",
                           self.mudd_dynamic is not False)
+
+    @property
     def hc_layout(self) -> HCLayout | None:
         """The Hyper-Connections' shape (hc, mhc); None under another connection."""
         kind = self.depth_connection
