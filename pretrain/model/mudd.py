@@ -109,13 +109,13 @@ class MuddConnections:
             names, rows = names[s:s + 1], slice(s, s + 1)
         streams = ()
         if source.terms:
-            dynamic, lo = self.layout.dynamic, source.terms[0]
+            dynamic, lo, hi = self.layout.dynamic, source.terms[0], source.terms[-1]
             weights = mix_weights(self.static[key], self.w1[key] if dynamic else None,
                                   self.w2[key] if dynamic else None, handles[-1], self.eps)
-            if self.record is not None:
+            if self.record is not None and source.kind == "mudd":
                 self.record[i] = weights.detach().expand(
                     handles[-1].numel() // handles[-1].shape[-1], *weights.shape[-2:])
-            weights = weights[..., rows, lo:]
+            weights = weights[..., rows, lo:hi + 1]  # hi < i: an outgoing partial sum
             if self.buffers is None or source.kind != "mudd":
                 streams = functional_mix(weights, handles)
             else:

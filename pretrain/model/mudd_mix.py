@@ -76,8 +76,9 @@ class Store(torch.autograd.Function):
 
 class Mix(torch.autograd.Function):
     """The C streams of mix M_i from buffer slots lo..i (lo = 0 but on a pipeline stage that
-    received partial sums): weights (T, C, i + 1 - lo), or (C, i + 1 - lo) for every token; one output per stream (each (T, H) reshaped to the stream's shape, so
-    that each stream's gradient arrives alone). `stored`: the `Store` results of X_0..X_i,
+    received partial sums): weights (T, C, i + 1 - lo), or (C, i + 1 - lo) for every token;
+    one output per stream (each (T, H) reshaped to the stream's shape, so that each stream's
+    gradient arrives alone). `stored`: the `Store` results of X_lo..X_i,
     passed only to order autograd (their gradient goes through the gradient buffer)."""
 
     @staticmethod
