@@ -192,7 +192,7 @@ class PipelinePlan:
                           f"{counts} = {entry['rule']}")
             elif "partial_sums" in entry:  # MUDD
                 partial = entry["partial_sums"]
-                counts = (f"X_0..X_{entry['after_block']} {entry['sources']}, partial sums "
+                counts = (f"sources {entry['sources']}, partial sums "
                           f"{'none (dynamic)' if partial is None else partial}, {counts} = "
                           f"{entry['rule']}")
             lines.append(f"  after block {entry['after_block']}: {sent}{size} per "
