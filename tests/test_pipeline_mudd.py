@@ -159,7 +159,8 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("mode", ["raw", "optimal"])
-def test_stages_chained_in_one_process_equal_the_model(name, mode):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing):
     from parallel.strategies.plan import build_plan
     from parallel.strategies.stage_model import StageModel, StageModule
     from pretrain.model.state import load_full_model_state
@@ -174,7 +175,7 @@ def test_stages_chained_in_one_process_equal_the_model(name, mode):
         partial += sum(item.kind != "x" for p in plan.programs for item in p.outgoing)
         model = StageModel(cfg, plan.programs, seed=1)
         load_full_model_state(model, state)
-        stages = [StageModule(model, program) for program in plan.programs]
+        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
         out = stages[0](tokens[:, :-1])
         for stage, program in zip(stages[1:], plan.programs[1:], strict=True):
             assert len(out) == len(program.incoming)
