@@ -5,7 +5,9 @@ one process (loss and every gradient, the mixes' weights included).
 Dynamic weights read the consumer's X_i, so X_0..X_b cross raw; static weights may send
 the later mixes' partial sums instead (sum_{i>=b} C_i tensors), whichever is fewer (raw
 on a tie). Tolerances (fp32): loss 1e-5 absolute, every gradient 1e-5 relative per tensor
-(3e-5 with TP = 2, slow only). The single-process references are computed in this test
+(3e-4 with TP = 2, slow only: the row-parallel sums round in another order, and the last
+mix's static weights' gradient, a sum over tokens that cancels, is ill-conditioned: one
+fp32 process is itself 8.5e-5 from fp64 on it, and TP2 x PP2 measured 1.05e-4). The single-process references are computed in this test
 process with random (non-identity) mix weights; the ranks load the same weights. The
 exhaustive layout matrix is marked slow.
 """
@@ -307,7 +309,7 @@ def run_layout(layout: str, entries, timeout_s: float) -> None:
     cases[0] = make_case(first["model"], first["mode"], first["microbatches"], split, virtual,
                          check_eval=True, dp=dp)
     for case in cases:
-        case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-5
+        case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-4
         case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
     results = run_distributed_test(mudd_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
                                    cases=cases, dp=dp)

@@ -7,7 +7,8 @@ single-process parameter names (`blocks.{i-1}.…`, `embedding.weight`, `final_n
 state (pretrain/model/state.py) see the same tensors as in `DenseFormer`. Every rank keeps
 the full (d, d + 1) alpha matrix; a stage applies only its entries
 (parallel/strategies/stage_state.py) and the pipeline sums the alpha gradients over the
-pipeline group, so all copies stay equal.
+pipeline group, so all copies stay equal (likewise the AttnRes queries and key norms and
+the static MUDD weights; a dynamic MUDD mix's weights are on the rank that forms it).
 
 `StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
 that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
