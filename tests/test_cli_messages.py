@@ -108,7 +108,6 @@ def test_bad_connection_settings_exit_2_naming_the_key(command, setting, key, tm
 @pytest.mark.parametrize("settings,key", [
     (("model.mudd_streams=qk",), "model.mudd_streams"),
     (("model.mudd_dynamic=maybe",), "model.mudd_dynamic"),
-    (("parallel.pp=2",), "parallel.pp"),
     (("train.compile=model",), "train.compile")])
 def test_bad_mudd_settings_exit_2_naming_the_key(settings, key, tmp_path, capsys):
     sets = [a for s in ("model.connection=mudd", *settings) for a in ("--set", s)]

@@ -6,14 +6,16 @@ tied embedding on the ranks of the first and last stage; the full alpha matrix),
 `PipelineStage` per (virtual) stage with every boundary's tensors declared up front, and a
 schedule: 1F1B (`Schedule1F1B`; with fewer micro-batches than stages, `ScheduleGPipe`, which
 is what 1F1B then reduces to), or interleaved 1F1B (`ScheduleInterleaved1F1B`) with
-`parallel.virtual_stages` > 1. What crosses each boundary is parallel/strategies/stage_state.py's.
+`parallel.virtual_stages` > 1. What crosses each boundary is parallel/strategies/stage_state.py's
+(pretrain/model/attnres_program.py's, pretrain/model/mudd_program.py's for those connections).
 
 One step (`train_step`): only the first stage reads the tokens and only the last the
 targets; the loss is the mean of the micro-batch means, as in the single-process run (each
 micro-batch's loss is divided by their number, and the schedule's own gradient scaling is
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage; likewise the AttnRes queries and key norms, whose rows each stage uses
-for the consumer states it forms) and the tied embedding's gradients over the embedding
+for the consumer states it forms, and the static MUDD weights, whose columns each stage
+applies to its X_j) and the tied embedding's gradients over the embedding
 group (first and last stage, as in Megatron). Data-parallel averaging happens in the stage's
 last backward when the stage modules are DDP modules (`ddp_group`,
 parallel/strategies/ddp.py), else in the trainer; clipping and the optimizer step stay with

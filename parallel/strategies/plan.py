@@ -21,6 +21,11 @@ and the consumer states (pretrain/model/attnres_program.py); each boundary also 
 AttnRes, N + 1 block sums for block AttnRes) and "per_token": {"raw": 0, "optimal": 0 or 1},
 the (consumers, tokens) fp32 lse that crosses with the states (in the bytes too).
 
+For MUDD (`model.connection: mudd`, pretrain/model/mudd_program.py) `raw` counts X_0..X_b
+(b + 1) and `optimal` the fewer of those and the later mixes' partial sums ("partial_sums":
+sum_{i>=b} C_i, static weights only: dynamic weights read the consumer's X_i, so the
+X_j cross raw); each boundary also gives "sources", "partial_sums" and "rule".
+
 Partitioning (`stage_split`): an explicit `parallel.pp_split` (blocks per stage, in stage
 order), or a balanced split that minimises the largest stage cost, then the spread. A block
 costs 1; the embedding 1 more on the first stage (Megatron's
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 
 from parallel.strategies import stage_state
 from parallel.strategies.config import ParallelSection
-from pretrain.model import attnres_program
+from pretrain.model import attnres_program, mudd_program
 from pretrain.model.config import ConfigError, DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
@@ -182,9 +187,14 @@ class PipelinePlan:
             if "bytes_per_microbatch" in entry:
                 size = f", {entry['bytes_per_microbatch'][self.transfer] / 2**20:.2f} MiB"
             counts = f"raw {entry['raw']}, optimal {entry['optimal']}, bound {entry['bound']}"
-            if "sources" in entry:  # AttnRes
+            if "consumers" in entry:  # AttnRes
                 counts = (f"sources {entry['sources']}, consumers {entry['consumers']}, "
                           f"{counts} = {entry['rule']}")
+            elif "partial_sums" in entry:  # MUDD
+                partial = entry["partial_sums"]
+                counts = (f"sources {entry['sources']}, partial sums "
+                          f"{'none (dynamic)' if partial is None else partial}, {counts} = "
+                          f"{entry['rule']}")
             lines.append(f"  after block {entry['after_block']}: {sent}{size} per "
                          f"micro-batch ({counts}): {' '.join(items)}")
         return lines
@@ -199,6 +209,8 @@ def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
     boundaries = [last for _, last in stages[:-1]]
     if cfg.attnres_layout is not None:
         return _attnres_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
+    if cfg.mudd_layout is not None:
+        return _mudd_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
     programs = stage_state.stage_programs(pattern, stages, transfer)
     raw = stage_state.boundary_states(pattern, boundaries, "raw")
     optimal = stage_state.boundary_states(pattern, boundaries, "optimal")
@@ -224,6 +236,24 @@ def _attnres_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int, transfer
                        "rule": rule, "sources": sizes.sources, "consumers": sizes.consumers,
                        "per_token": {"raw": 0, "optimal": len(fewest)
                                      - attnres_program.hidden_items(fewest)}})
+    return PipelinePlan(cfg, cfg.dwa_pattern, pp, virtual_stages, transfer, stages, programs,
+                        counts)
+
+
+def _mudd_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int, transfer: str,
+               stages: list[tuple[int, int]], boundaries: list[int]) -> PipelinePlan:
+    """The plan of a MUDD model: `raw` sends X_0..X_b, `optimal` the fewer of those and the
+    later mixes' partial sums (static weights; pretrain/model/mudd_program.py)."""
+    layout = cfg.mudd_layout
+    programs = mudd_program.stage_programs(layout, stages, transfer)
+    counts = []
+    for b in boundaries:
+        sizes = mudd_program.boundary_counts(layout, b)
+        limit, rule = mudd_program.bound(layout, b)
+        counts.append({"after_block": b, "raw": sizes.sources,
+                       "optimal": len(mudd_program.boundary_state(layout, b, "optimal")),
+                       "bound": limit, "rule": rule, "sources": sizes.sources,
+                       "partial_sums": sizes.partial if not layout.dynamic else None})
     return PipelinePlan(cfg, cfg.dwa_pattern, pp, virtual_stages, transfer, stages, programs,
                         counts)
 

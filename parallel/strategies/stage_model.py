@@ -7,7 +7,8 @@ single-process parameter names (`blocks.{i-1}.…`, `embedding.weight`, `final_n
 state (pretrain/model/state.py) see the same tensors as in `DenseFormer`. Every rank keeps
 the full (d, d + 1) alpha matrix; a stage applies only its entries
 (parallel/strategies/stage_state.py) and the pipeline sums the alpha gradients over the
-pipeline group, so all copies stay equal.
+pipeline group, so all copies stay equal (likewise the AttnRes queries and key norms and
+the static MUDD weights; a dynamic MUDD mix's weights are on the rank that forms it).
 
 `StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
 that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
@@ -35,6 +36,7 @@ from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import no_init
 from pretrain.model.lm_parts import lm_head, mark_tensor_parallel, megatron_config
+from pretrain.model.mudd import MuddConnections, MuddWeights
 from pretrain.model.program import StageProgram, run_program
 from pretrain.model.rotary import RotaryEmbedding
 
@@ -76,6 +78,17 @@ class StageModel(nn.Module):
         if cfg.attnres_layout is not None:
             self.attnres_query, self.attnres_key_norm = AttnResWeights(
                 cfg.attnres_layout, cfg.d_model).new_parameters()
+        # MUDD: dynamic, the weights of the mixes this rank's stages form (each mix is
+        # formed on one stage); static, every a_i on every rank (several stages apply
+        # columns of a_i when partial sums cross; the pipeline sums the gradients).
+        self.mudd_static = self.mudd_w1 = self.mudd_w2 = None
+        if cfg.mudd_layout is not None:
+            mixes = None
+            if cfg.mudd_layout.dynamic:
+                mixes = sorted({src.index for p in programs for src in p.sources
+                                if src.kind == "mudd"})
+            self.mudd_static, self.mudd_w1, self.mudd_w2 = MuddWeights.new_parameters(
+                cfg.mudd_layout, cfg.d_model, mixes)
         mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
@@ -115,10 +128,13 @@ class StageModel(nn.Module):
 
     def replicated_connection_parameters(self) -> list[nn.Parameter]:
         """The depth-connection weights every rank holds whole and each stage uses in part
-        (the alpha matrix, the AttnRes queries and key norms): the pipeline sums their
-        gradients over its group."""
+        (the alpha matrix, the AttnRes queries and key norms, the static MUDD weights): the
+        pipeline sums their gradients over its group."""
+        mudd = []
+        if self.mudd_static is not None and not self.config.mudd_layout.dynamic:
+            mudd = list(self.mudd_static.values())
         return [p for p in (self.dwa_alpha, self.attnres_query, self.attnres_key_norm)
-                if p is not None]
+                if p is not None] + mudd
 
 
 class StageModule(nn.Module):
@@ -158,6 +174,8 @@ class StageModule(nn.Module):
                     (x if item.kind == "x" else sums)[item.index] = tensor
         if model.attnres_query is not None:
             connections = self._attnres_connections(incoming)
+        elif model.mudd_static is not None:
+            connections = self._mudd_connections(incoming, next(iter(x.values()), None))
         else:
             connections = training_connections(
                 self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),
@@ -199,6 +217,19 @@ class StageModule(nn.Module):
             model.config.attnres_layout, last=2 * program.last + int(program.is_last),
             received=states,
             sends=tuple(item.index for item in program.outgoing if item.kind == "state"))
+
+    def _mudd_connections(self, received: dict, like: torch.Tensor | None) -> MuddConnections:
+        """The MUDD state of this stage: buffer slots for X_0..X_last (the received X_j are
+        stored into theirs) and the received partial sums, {(i, s): tensor}."""
+        program, model = self.program, self.model
+        sums = {(item.index, item.kind[len("mudd_"):]): tensor
+                for item, tensor in received.items() if item.kind.startswith("mudd_")}
+        if like is None:
+            like = next(iter(sums.values()))
+        return MuddConnections(
+            (model.mudd_static, model.mudd_w1, model.mudd_w2), model.config.mudd_layout,
+            model.config.norm_eps, like, torch.compiler.is_compiling(),
+            n_slots=program.last + 1, received=sums)
 
 
 def boundary_dtypes(items, dtype: torch.dtype) -> list[torch.dtype]:

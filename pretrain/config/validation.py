@@ -141,9 +141,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.padded_vocab_size % p.tp == 0, "parallel.tp",
                f"tp={p.tp} does not divide the padded vocabulary {m.padded_vocab_size}"
                " (raise model.vocab_pad_multiple)")
-    _check(p.pp == 1 or m.mudd_layout is None, "parallel.pp",
-           f"pp={p.pp} is not available with model.connection=mudd (MUDD runs at one pipeline "
-           "stage): use pp=1")
     _check(t.compile in ("none", "auto") or m.mudd_layout is None, "train.compile",
            f"{t.compile} is not available with model.connection=mudd (its buffered mixes run "
            "eagerly): use none or auto")

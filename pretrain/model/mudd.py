@@ -77,15 +77,24 @@ def mix_weights(static: torch.Tensor, w1: torch.Tensor | None, w2: torch.Tensor 
 class MuddConnections:
     """The connection state of a forward pass: `hold` stores each X_j in the buffers
     (`functional`: no buffers, the mix stacks the X_j in plain ops), `mix` forms M_i's
-    streams from the held X_0..X_i (a tuple (q, k, v, r) under qkvr, else one tensor).
-    `record`: a dict that gets each mix's weights (analysis), {i: (T, C, i + 1)}."""
+    streams from the held X_j in the source's terms (a tuple (q, k, v, r) under qkvr, else
+    one tensor). `record`: a dict that gets each mix's weights (analysis), {i: (T, C, i + 1)}.
+
+    On a pipeline stage (pretrain/model/mudd_program.py): `n_slots`, the buffer's slots (X_j
+    up to the stage's last block); `received`, {(i, s): the partial sum of M_i's stream s
+    over the X_j before the stage}, added to the stage's own terms (from slot lo, the
+    stage's first block). A `mudd_s` source is one stream of an outgoing partial sum,
+    formed in plain ops."""
 
     def __init__(self, weights: tuple[nn.ParameterDict, nn.ParameterDict, nn.ParameterDict],
                  layout: MuddLayout, eps: float, like: torch.Tensor, functional: bool = False,
-                 record: dict | None = None):
+                 record: dict | None = None, n_slots: int | None = None,
+                 received: dict[tuple[int, str], torch.Tensor] | None = None):
         self.static, self.w1, self.w2 = weights
         self.layout, self.eps, self.record = layout, eps, record
-        self.buffers = None if functional else MuddBuffers(layout.n_layers + 1, like)
+        self.received = received or {}
+        n_slots = layout.n_layers + 1 if n_slots is None else n_slots
+        self.buffers = None if functional else MuddBuffers(n_slots, like)
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buffers is not None:
@@ -94,14 +103,25 @@ class MuddConnections:
 
     def mix(self, source: Source, handles: list, live: torch.Tensor | None):
         i, key = source.index, str(source.index)
-        dynamic = self.layout.dynamic
-        weights = mix_weights(self.static[key], self.w1[key] if dynamic else None,
-                              self.w2[key] if dynamic else None, handles[-1], self.eps)
-        if self.record is not None:
-            self.record[i] = weights.detach().expand(
-                handles[-1].numel() // handles[-1].shape[-1], *weights.shape[-2:])
-        if self.buffers is None:
-            streams = functional_mix(weights, handles)
-        else:
-            streams = mix(self.buffers, i, weights, handles)
+        names, rows = self.layout.stream_names(i), slice(None)
+        if source.kind != "mudd":  # one stream of an outgoing partial sum
+            s = names.index(source.kind[len("mudd_"):])
+            names, rows = names[s:s + 1], slice(s, s + 1)
+        streams = ()
+        if source.terms:
+            dynamic, lo, hi = self.layout.dynamic, source.terms[0], source.terms[-1]
+            weights = mix_weights(self.static[key], self.w1[key] if dynamic else None,
+                                  self.w2[key] if dynamic else None, handles[-1], self.eps)
+            if self.record is not None and source.kind == "mudd":
+                self.record[i] = weights.detach().expand(
+                    handles[-1].numel() // handles[-1].shape[-1], *weights.shape[-2:])
+            weights = weights[..., rows, lo:hi + 1]  # hi < i: an outgoing partial sum
+            if self.buffers is None or source.kind != "mudd":
+                streams = functional_mix(weights, handles)
+            else:
+                streams = mix(self.buffers, i, weights, handles, lo)
+        received = [self.received.get((i, s)) for s in names]
+        if any(r is not None for r in received):
+            streams = tuple(received) if not streams else tuple(
+                y + r for y, r in zip(streams, received, strict=True))
         return streams if len(streams) > 1 else streams[0]

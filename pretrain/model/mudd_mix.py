@@ -75,29 +75,30 @@ class Store(torch.autograd.Function):
 
 
 class Mix(torch.autograd.Function):
-    """The C streams of mix M_i from buffer slots 0..i: weights (T, C, i + 1), or (C, i + 1)
-    for every token; one output per stream (each (T, H) reshaped to the stream's shape, so
-    that each stream's gradient arrives alone). `stored`: the `Store` results of X_0..X_i,
+    """The C streams of mix M_i from buffer slots lo..i (lo = 0 but on a pipeline stage that
+    received partial sums): weights (T, C, i + 1 - lo), or (C, i + 1 - lo) for every token;
+    one output per stream (each (T, H) reshaped to the stream's shape, so that each stream's
+    gradient arrives alone). `stored`: the `Store` results of X_lo..X_i,
     passed only to order autograd (their gradient goes through the gradient buffer)."""
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, buffers: MuddBuffers, i: int, *stored):
-        values = buffers.values[:, :i + 1]
+    def forward(ctx, weights: torch.Tensor, buffers: MuddBuffers, i: int, lo: int, *stored):
+        values = buffers.values[:, lo:i + 1]
         with _no_autocast(values):
             y = torch.matmul(weights.to(values.dtype), values)  # (T, C, H)
         ctx.save_for_backward(weights)
-        ctx.buffers, ctx.i, ctx.n_stored = buffers, i, len(stored)
+        ctx.buffers, ctx.i, ctx.lo, ctx.n_stored = buffers, i, lo, len(stored)
         ctx.set_materialize_grads(False)
         return tuple(s.view(buffers.shape) for s in y.unbind(1))
 
     @staticmethod
     def backward(ctx, *grads):
         (weights,) = ctx.saved_tensors
-        buffers, n = ctx.buffers, ctx.i + 1
-        none = (None,) * (2 + ctx.n_stored)
+        buffers, n, lo = ctx.buffers, ctx.i + 1, ctx.lo
+        none = (None,) * (3 + ctx.n_stored)
         if all(g is None for g in grads):
             return (None, *none)
-        values = buffers.values[:, :n]
+        values = buffers.values[:, lo:n]
         t, width = values.shape[0], values.shape[2]
         with _no_autocast(values):
             dy = torch.stack([values.new_zeros(t, width) if g is None
@@ -105,7 +106,7 @@ class Mix(torch.autograd.Function):
             w = weights.to(values.dtype)
             # dX_j += sum_s A[s, j] dY^s: per stream one outer-product update of all slots
             # (a batched product with an inner size of C runs token by token on a CPU).
-            slots = buffers.grad_slots(n)
+            slots = buffers.grad_slots(n)[:, lo:]
             for s in range(len(grads)):
                 slots.addcmul_(w[..., s, :, None], dy[:, s, None, :])
             grad_w = None
@@ -121,10 +122,10 @@ def store(buffers: MuddBuffers, j: int, x: torch.Tensor) -> torch.Tensor:
     return Store.apply(x, buffers, j)
 
 
-def mix(buffers: MuddBuffers, i: int, weights: torch.Tensor, stored: list[torch.Tensor]
-        ) -> tuple[torch.Tensor, ...]:
-    """The streams of M_i (a tuple, one per row of `weights`)."""
-    return Mix.apply(weights, buffers, i, *stored)
+def mix(buffers: MuddBuffers, i: int, weights: torch.Tensor, stored: list[torch.Tensor],
+        lo: int = 0) -> tuple[torch.Tensor, ...]:
+    """The streams of M_i over slots lo..i (a tuple, one per row of `weights`)."""
+    return Mix.apply(weights, buffers, i, lo, *stored)
 
 
 def functional_mix(weights: torch.Tensor, xs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -52,14 +52,18 @@ class Item(NamedTuple):
     DWA after block c summed over its X_j with j <= the boundary (Y_c when c is the boundary
     block). Attention Residuals (pretrain/model/attnres_program.py) also send `("state", c)`,
     consumer c's softmax-weighted mean over the sources before the boundary, and `("lse",
-    n)`, the log-sum-exps of the n states: the one tensor that is per token, not hidden-size."""
+    n)`, the log-sum-exps of the n states: the one tensor that is per token, not hidden-size.
+    MUDD (pretrain/model/mudd_program.py) sends `("mudd_s", i)`, stream s of mix M_i summed
+    over its X_j with j <= the boundary (static weights)."""
 
-    kind: Literal["x", "sum", "state", "lse"]
+    kind: Literal["x", "sum", "state", "lse", "mudd_q", "mudd_k", "mudd_v", "mudd_r"]
     index: int
 
     def __str__(self) -> str:
         if self.kind == "x":
             return f"X_{self.index}"
+        if self.kind.startswith("mudd_"):
+            return f"M_{self.index}.{self.kind[len('mudd_'):]}"
         return f"lse[{self.index}]" if self.kind == "lse" else f"{self.kind}_{self.index}"
 
 
