@@ -33,12 +33,11 @@ its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qk
 (r each); under TP everything but the LayerNorm region is split; under sequence parallelism
 that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama blocks
 (`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
-of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
-repeats them into, and one more tensor per RMSNorm. The LM head keeps
-Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H). Checked against
-autograd (parallel/strategies/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
-the residual stream and LayerNorm inputs stay fp32 and the matmul operands are bf16; with
-DeepSpeed's bf16 everything is.
+of two, narrower k and v under grouped-query attention, and one more tensor per RMSNorm.
+The LM head keeps Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H).
+Checked against autograd (parallel/strategies/memory_probe.py) at fp32 on CPU:
+tests/test_memory.py. Under autocast the residual stream and LayerNorm inputs stay fp32 and
+the matmul operands are bf16; with DeepSpeed's bf16 everything is.
 
 JSON (`--json`, stdout holds only the document):
     {"ranks": [{"rank": r, "tp_rank": t, "pp_rank": s, "dp_rank": q, "params_bytes": ..,
@@ -65,6 +64,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
+from parallel.strategies.mudd_memory import mudd_activation_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -153,6 +153,12 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
     if model.attnres_layout is not None:  # AttnRes queries and key norms, on every rank
         per_matrix = model.attnres_layout.n_params(h) // 2
         (decay if decay_alphas else no_decay).extend([per_matrix, per_matrix])
+    mudd = model.mudd_layout
+    if mudd is not None:  # MUDD's static weights and dynamic-weight MLPs, on every rank
+        for i in range(1, model.n_layers + 1):
+            k = mudd.width(i)
+            (decay if decay_alphas else no_decay).extend(
+                [k, k * h, k * k] if mudd.dynamic else [k])
     embedding = model.padded_vocab_size * h // tp
     if first or (last and model.tie_embeddings):
         decay.append(embedding)  # the embedding (and the tied LM head)
@@ -161,6 +167,8 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
         decay.extend([qkv * h // tp, h * h // tp])  # qkv, proj
         no_decay.append(h)  # norm_mlp
         decay.extend([ffn * h // tp] * mlp_in + [ffn * h // tp])  # fc_in (gate, up), fc_out
+        if mudd is not None:
+            no_decay.extend([h] * mudd.block_norms)  # the key and value inputs' norms
         if model.skip_gains:
             no_decay.extend([1, 1])
     if last:
@@ -287,12 +295,13 @@ class ActivationShape:
 
     @property
     def _attention_elements(self) -> int:
-        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v), the
-        attention output and, for grouped-query attention, the copies of k and v repeated
-        to every query head that SDPA's CPU path keeps (fused GPU kernels need not)."""
+        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v) and the
+        attention output. Grouped-query attention keeps no copies of k and v repeated to
+        every query head: SDPA takes them as they are (`enable_gqa`; measured on torch
+        2.13's CPU path, where older versions repeated them)."""
         s = self.tokens * self.hidden
         kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
-        return s + kv + (s + 2 * kv) + s + 2 * (s - kv)
+        return s + kv + (s + 2 * kv) + s
 
     @property
     def attention_branch(self) -> int:
@@ -348,6 +357,8 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
     if model.attnres_layout is not None:
         return attnres_activation_terms(model, shape, mode,
                                         unit_ranges(model.n_layers, every))
+    if model.mudd_layout is not None:
+        return mudd_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
