@@ -23,6 +23,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
   X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
   per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
+- for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
+  buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
+  blocks' (parallel/strategies/mudd_memory.py).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -211,6 +214,8 @@ def autocast_weight_copies(model: DenseFormerConfig, tp: int, n_blocks: int,
         return 0
     h, ffn = model.d_model, model.ffn_width
     qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim
+    if model.mudd_layout is not None and model.mudd_layout.streams == "qkvr":
+        qkv = 0  # its rows are cast per call, saved by each block (mudd_memory.py)
     mlp = (3 if model.block == "llama" else 2) * ffn * h
     return n_blocks * (qkv * h + h * h + mlp) // tp * precision.matmul
 
@@ -388,6 +393,9 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
+    if model.mudd_layout is not None:  # config validation refuses it too, for now
+        raise ValueError(f"parallel.pp: the memory estimate of MUDD covers one pipeline stage "
+                         f"(pp=1), not pp={pp}")
     if model.attnres_layout is not None:
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
         return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
