@@ -141,12 +141,14 @@ def test_bf16_autocast_estimate_matches_the_probe(variant):
     """Under bf16 autocast the X_j and the buffer stay fp32 (the stream's), the weights-MLP
     computes in fp32, the blocks' matmul tensors are bf16: autocast's weight copies exactly
     the estimate's, the kept activations within 5% (CPU autocast keeps a little more)."""
-    cfg = config(*mudd(*variant), "train.dtype=bf16")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = measured_report(cfg)
-    estimate = estimated(cfg)
-    assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
-    assert_within(report.total_bytes, forward_bytes(cfg), "block", variant)
+    for mode in ("none", "dwa_block"):
+        cfg = config(*mudd(*variant), "train.dtype=bf16",
+                     f"parallel.activation_checkpointing={mode}")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            report = measured_report(cfg)
+        estimate = estimated(cfg)
+        assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
+        assert_within(report.total_bytes, forward_bytes(cfg), "block", (variant, mode))
 
 
 def tp_cases() -> dict:

@@ -36,7 +36,8 @@ its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qk
 (r each); under TP everything but the LayerNorm region is split; under sequence parallelism
 that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama blocks
 (`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
-of two, narrower k and v under grouped-query attention, and one more tensor per RMSNorm.
+of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
+repeats them into, and one more tensor per RMSNorm.
 The LM head keeps Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H).
 Checked against autograd (parallel/strategies/memory_probe.py) at fp32 on CPU:
 tests/test_memory.py. Under autocast the residual stream and LayerNorm inputs stay fp32 and
@@ -300,13 +301,12 @@ class ActivationShape:
 
     @property
     def _attention_elements(self) -> int:
-        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v) and the
-        attention output. Grouped-query attention keeps no copies of k and v repeated to
-        every query head: SDPA takes them as they are (`enable_gqa`; measured on torch
-        2.13's CPU path, where older versions repeated them)."""
+        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v), the
+        attention output and, for grouped-query attention, the copies of k and v repeated
+        to every query head that SDPA's CPU path keeps (fused GPU kernels need not)."""
         s = self.tokens * self.hidden
         kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
-        return s + kv + (s + 2 * kv) + s
+        return s + kv + (s + 2 * kv) + s + 2 * (s - kv)
 
     @property
     def attention_branch(self) -> int:

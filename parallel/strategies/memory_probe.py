@@ -188,7 +188,8 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
             for k, n in _storages(t for x in inputs if isinstance(x, tuple) for t in x).items():
                 if k not in exclude and k not in buffer_storages:
                     saved.setdefault(k, (n, (), "checkpoint input"))
-        recompute = _recompute_bytes(recorder, exclude | set(saved) | set(buffer_storages))
+        recompute = _recompute_bytes(recorder, exclude | set(saved) | set(buffer_storages)
+                                     | set(copies))
         del loss
     largest = sorted(saved.values(), key=lambda item: -item[0])[:10]
     return ActivationReport(
