@@ -23,6 +23,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
   X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
   per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
+- for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
+  buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
+  blocks' (parallel/strategies/mudd_memory.py).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -34,11 +37,11 @@ its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qk
 that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama blocks
 (`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
 of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
-repeats them into, and one more tensor per RMSNorm. The LM head keeps
-Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H). Checked against
-autograd (parallel/strategies/memory_probe.py) at fp32 on CPU: tests/test_memory.py. Under autocast
-the residual stream and LayerNorm inputs stay fp32 and the matmul operands are bf16; with
-DeepSpeed's bf16 everything is.
+repeats them into, and one more tensor per RMSNorm.
+The LM head keeps Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H).
+Checked against autograd (parallel/strategies/memory_probe.py) at fp32 on CPU:
+tests/test_memory.py. Under autocast the residual stream and LayerNorm inputs stay fp32 and
+the matmul operands are bf16; with DeepSpeed's bf16 everything is.
 
 JSON (`--json`, stdout holds only the document):
     {"ranks": [{"rank": r, "tp_rank": t, "pp_rank": s, "dp_rank": q, "params_bytes": ..,
@@ -65,6 +68,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
+from parallel.strategies.mudd_memory import mudd_activation_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -153,6 +157,12 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
     if model.attnres_layout is not None:  # AttnRes queries and key norms, on every rank
         per_matrix = model.attnres_layout.n_params(h) // 2
         (decay if decay_alphas else no_decay).extend([per_matrix, per_matrix])
+    mudd = model.mudd_layout
+    if mudd is not None:  # MUDD's static weights and dynamic-weight MLPs, on every rank
+        for i in range(1, model.n_layers + 1):
+            k = mudd.width(i)
+            (decay if decay_alphas else no_decay).extend(
+                [k, k * h, k * k] if mudd.dynamic else [k])
     embedding = model.padded_vocab_size * h // tp
     if first or (last and model.tie_embeddings):
         decay.append(embedding)  # the embedding (and the tied LM head)
@@ -161,6 +171,8 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
         decay.extend([qkv * h // tp, h * h // tp])  # qkv, proj
         no_decay.append(h)  # norm_mlp
         decay.extend([ffn * h // tp] * mlp_in + [ffn * h // tp])  # fc_in (gate, up), fc_out
+        if mudd is not None:
+            no_decay.extend([h] * mudd.block_norms)  # the key and value inputs' norms
         if model.skip_gains:
             no_decay.extend([1, 1])
     if last:
@@ -203,6 +215,8 @@ def autocast_weight_copies(model: DenseFormerConfig, tp: int, n_blocks: int,
         return 0
     h, ffn = model.d_model, model.ffn_width
     qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim
+    if model.mudd_layout is not None and model.mudd_layout.streams == "qkvr":
+        qkv = 0  # its rows are cast per call, saved by each block (mudd_memory.py)
     mlp = (3 if model.block == "llama" else 2) * ffn * h
     return n_blocks * (qkv * h + h * h + mlp) // tp * precision.matmul
 
@@ -348,6 +362,8 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
     if model.attnres_layout is not None:
         return attnres_activation_terms(model, shape, mode,
                                         unit_ranges(model.n_layers, every))
+    if model.mudd_layout is not None:
+        return mudd_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
@@ -377,6 +393,9 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
+    if model.mudd_layout is not None:  # config validation refuses it too, for now
+        raise ValueError(f"parallel.pp: the memory estimate of MUDD covers one pipeline stage "
+                         f"(pp=1), not pp={pp}")
     if model.attnres_layout is not None:
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
         return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)

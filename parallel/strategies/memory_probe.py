@@ -8,10 +8,13 @@
   counts its whole storage once), parameters and module buffers excluded. Inside a
   checkpointed unit the checkpoint's own hooks take over: those tensors are recomputed, not
   kept, and are not counted.
-- `dwa_buffer_bytes`: the stored X_j of the buffered DWA (pretrain/model/dwa.py) live outside
-  autograd, so the hooks never see them. They are found by walking the loss's autograd graph
-  (the StoreOutput / Combine nodes hold the buffers of their forward pass) and counted
-  explicitly; `stored_outputs` is the number of X_j slots in them.
+- `dwa_buffer_bytes`: the stored X_j of the buffered DWA (pretrain/model/dwa.py) and of
+  MUDD's mix (pretrain/model/mudd_mix.py, its token-major buffer) live outside autograd, so
+  the hooks never see them. They are found by walking the loss's autograd graph (the
+  StoreOutput / Combine, Store / Mix nodes hold the buffers of their forward pass) and
+  counted explicitly; `stored_outputs` is the number of X_j slots in them.
+- the inputs of a checkpointed unit that are not tensors themselves (a tuple of MUDD's
+  streams) are kept by the checkpoint outside the hooks' sight: counted in `saved_bytes`.
 - `recompute_bytes`: the largest working set of one checkpointed unit, measured by running
   each unit's function once more, outside the checkpoint, under the same counter (its kept
   inputs excluded): what backward holds on top of the kept tensors while it recomputes a unit.
@@ -41,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.strategies.checkpointing import ActivationCheckpointing
 from pretrain.model.dwa import DWABuffers
+from pretrain.model.mudd_mix import MuddBuffers
 
 
 @dataclass
@@ -135,8 +139,17 @@ def model_storages(model: nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
+def _buffer_slots(buffers) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, X_j slots) of one forward pass's buffers: the DWA's per residue class
+    (slots first), MUDD's one token-major tensor (slots second)."""
+    if isinstance(buffers, MuddBuffers):
+        return [(buffers.values, buffers.values.shape[1])]
+    return [(v, v.shape[0]) for v in buffers.values.values()]
+
+
 def dwa_buffers_of(output: torch.Tensor) -> list:
-    """The DWABuffers reachable from `output`'s autograd graph (one per forward pass)."""
+    """The DWABuffers and MuddBuffers reachable from `output`'s autograd graph (one per
+    forward pass)."""
     found, seen, stack = {}, set(), [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -144,7 +157,7 @@ def dwa_buffers_of(output: torch.Tensor) -> list:
             continue
         seen.add(id(node))
         buffers = getattr(node, "buffers", None)  # custom Function ctx attributes
-        if isinstance(buffers, DWABuffers):
+        if isinstance(buffers, (DWABuffers, MuddBuffers)):
             found[id(buffers)] = buffers
         stack.extend(next_node for next_node, _ in node.next_functions)
     return list(found.values())
@@ -167,17 +180,22 @@ def measure_activations(model: nn.Module, tokens: torch.Tensor, targets: torch.T
             loss = (loss_fn or model.loss)(tokens, targets)
         buffers = dwa_buffers_of(loss)
         buffer_storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-                           for b in buffers for v in b.values.values()}
+                           for b in buffers for v, _ in _buffer_slots(b)}
         copies = casts.copies()
         saved = {k: v for k, v in counter.storages.items()
                  if k not in buffer_storages and k not in copies}
-        recompute = _recompute_bytes(recorder, exclude | set(saved) | set(buffer_storages))
+        for _, inputs in recorder:  # tensors inside a unit's non-tensor inputs (a tuple)
+            for k, n in _storages(t for x in inputs if isinstance(x, tuple) for t in x).items():
+                if k not in exclude and k not in buffer_storages:
+                    saved.setdefault(k, (n, (), "checkpoint input"))
+        recompute = _recompute_bytes(recorder, exclude | set(saved) | set(buffer_storages)
+                                     | set(copies))
         del loss
     largest = sorted(saved.values(), key=lambda item: -item[0])[:10]
     return ActivationReport(
         saved_bytes=sum(n for n, _, _ in saved.values()),
         dwa_buffer_bytes=sum(buffer_storages.values()),
-        stored_outputs=sum(v.shape[0] for b in buffers for v in b.values.values()),
+        stored_outputs=sum(n for b in buffers for _, n in _buffer_slots(b)),
         recompute_bytes=recompute, largest=largest,
         autocast_copy_bytes=sum(copies.values()))
 
@@ -187,7 +205,8 @@ def _recompute_bytes(recorder: list, kept: set[int]) -> int:
     counter, the `kept` storages and its own inputs excluded."""
     recompute = 0
     for unit, inputs in recorder:
-        own = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
+        own = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
         with torch.random.fork_rng(devices=[]), SavedTensorCounter(kept | own) as counter:
             unit(*inputs)
         recompute = max(recompute, counter.bytes)
