@@ -7,9 +7,9 @@ the later mixes' partial sums instead (sum_{i>=b} C_i tensors), whichever is few
 on a tie). Tolerances (fp32): loss 1e-5 absolute, every gradient 1e-5 relative per tensor
 (3e-4 with TP = 2, slow only: the row-parallel sums round in another order, and the last
 mix's static weights' gradient, a sum over tokens that cancels, is ill-conditioned: one
-fp32 process is itself 8.5e-5 from fp64 on it, and TP2 x PP2 measured 1.05e-4). The single-process references are computed in this test
-process with random (non-identity) mix weights; the ranks load the same weights. The
-exhaustive layout matrix is marked slow.
+fp32 process is itself 8.5e-5 from fp64 on it, and TP2 x PP2 measured 1.05e-4). The
+single-process references are computed in this test process with random (non-identity) mix
+weights; the ranks load the same weights. The exhaustive layout matrix is marked slow.
 """
 
 from __future__ import annotations
