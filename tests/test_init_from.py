@@ -56,7 +56,8 @@ def test_a_transformer_starts_a_denseformer_at_the_transformers_loss(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.zero_stage=2"])
+@pytest.mark.parametrize("layout", [  # ZeRO-2 (a DeepSpeed engine, about a minute): slow
+    "parallel.tp=2", pytest.param("parallel.zero_stage=2", marks=pytest.mark.slow)])
 def test_init_from_loads_across_layouts(tiny_data, transformer_run, continued_transformer,
                                         tmp_path, layout):
     run_dir = tmp_path / "run"

@@ -394,7 +394,8 @@ def run_layout(layout: str, entries, timeout_s: float):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [  # pp4: slow (pp2, pp3 and interleaved cover its paths)
+    pytest.param(name, marks=pytest.mark.slow) if name == "pp4" else name for name in LAYOUTS])
 def test_pipeline_layout_matches_single_process(layout):
     run_layout(layout, DEFAULT_CASES[layout], timeout_s=360)
 
