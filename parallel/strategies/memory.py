@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
+from parallel.strategies.hc_memory import hc_activation_terms
 from parallel.strategies.mudd_memory import mudd_activation_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -163,6 +164,12 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
             k = mudd.width(i)
             (decay if decay_alphas else no_decay).extend(
                 [k, k * h, k * k] if mudd.dynamic else [k])
+    hc = model.hc_layout
+    if hc is not None:  # Hyper-Connections' weights per sub-layer, on every rank
+        n, subs = hc.streams, hc.n_sublayers
+        sizes = [n * h * hc.n_weights, 3, hc.n_weights] if hc.kind == "mhc" else \
+            [n, n * n, n] + ([h * (n + 2), 2] if hc.dynamic else [])
+        (decay if decay_alphas else no_decay).extend(subs * size for size in sizes)
     embedding = model.padded_vocab_size * h // tp
     if first or (last and model.tie_embeddings):
         decay.append(embedding)  # the embedding (and the tied LM head)
@@ -364,6 +371,8 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
                                         unit_ranges(model.n_layers, every))
     if model.mudd_layout is not None:
         return mudd_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
+    if model.hc_layout is not None:
+        return hc_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
