@@ -459,6 +459,9 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
+    if p.pp > 1 and model.hc_layout is not None:
+        raise ValueError(f"parallel.pp: the memory estimate of Hyper-Connections covers one "
+                         f"pipeline stage (pp=1), not pp={p.pp}")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
