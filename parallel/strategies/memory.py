@@ -26,6 +26,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
   buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
   blocks' (parallel/strategies/mudd_memory.py).
+- for Hyper-Connections (`model.connection: hc` or `mhc`, one pipeline stage) the n-stream
+  states kept (every sub-layer's input state, or the checkpoint units'), the per-token
+  weights the mixes save and the sub-layers' branches (parallel/strategies/hc_memory.py).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
