@@ -3,9 +3,9 @@ autograd probe (parallel/strategies/memory_probe.py) on CPU, as tests/test_memor
 checks MUDD's: to the byte in fp32 in every checkpointing mode (n = 1, 2, 3), dynamic and
 static HC and mHC, n = 2, 3, 4 streams, gpt and llama blocks; under `dwa_block` the saved
 tensors equal the head and the units' input states exactly; the parameters, gradients and
-AdamW state equal to the real tensors and to the config's count; at TP = 2 with and without
-sequence parallelism within 48 bytes; under bf16 autocast within 1% (the weight copies
-exactly: the mixes cast nothing)."""
+AdamW state equal to the real tensors and to the config's count, without ZeRO and with ZeRO
+1-3 at DP = 2; at TP = 2 with and without sequence parallelism within 48 bytes; under bf16
+autocast within 1% (the weight copies exactly: the mixes cast nothing)."""
 
 from __future__ import annotations
 
@@ -163,3 +163,20 @@ def test_tp2_with_and_without_sequence_parallelism_matches_the_probe():
     # The probe sees 48 bytes more at TP = 2 (a few small tensors of the vocabulary-parallel
     # loss, as for the other connections), whatever the variant or mode.
     assert all(0 <= d <= 48 for d in diffs.values()), diffs
+
+
+def zero_state_cases() -> dict:
+    return {(name, stage): real_state_bytes(stage, world_size=2, extra=VARIANTS[name])
+            for name, stage in (("hc", 1), ("mhc", 2), ("hc", 3))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_state_estimate_equals_real_tensors_with_zero_at_dp2():
+    """ZeRO 1-3 at DP = 2 (dynamic HC at 1 and 3, mHC at 2): HC's weights partitioned with
+    the connections' weight-decay group."""
+    results = run_distributed_test(zero_state_cases, world_size=2, timeout_s=280)
+    for rank, by_case in enumerate(results):
+        for (name, stage), real in by_case.items():
+            assert real == expected_state_bytes(stage, world_size=2, rank=rank,
+                                                extra=VARIANTS[name]), (rank, name, stage)
