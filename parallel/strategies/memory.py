@@ -26,6 +26,9 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
   buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
   blocks' (parallel/strategies/mudd_memory.py).
+- for Hyper-Connections (`model.connection: hc` or `mhc`, one pipeline stage) the n-stream
+  states kept (every sub-layer's input state, or the checkpoint units'), the per-token
+  weights the mixes save and the sub-layers' branches (parallel/strategies/hc_memory.py).
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -68,6 +71,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
+from parallel.strategies.hc_memory import hc_activation_terms
 from parallel.strategies.mudd_memory import mudd_activation_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -163,6 +167,12 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
             k = mudd.width(i)
             (decay if decay_alphas else no_decay).extend(
                 [k, k * h, k * k] if mudd.dynamic else [k])
+    hc = model.hc_layout
+    if hc is not None:  # Hyper-Connections' weights per sub-layer, on every rank
+        n, subs = hc.streams, hc.n_sublayers
+        sizes = [n * h * hc.n_weights, 3, hc.n_weights] if hc.kind == "mhc" else \
+            [n, n * n, n] + ([h * (n + 2), 2] if hc.dynamic else [])
+        (decay if decay_alphas else no_decay).extend(subs * size for size in sizes)
     embedding = model.padded_vocab_size * h // tp
     if first or (last and model.tie_embeddings):
         decay.append(embedding)  # the embedding (and the tied LM head)
@@ -364,6 +374,8 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
                                         unit_ranges(model.n_layers, every))
     if model.mudd_layout is not None:
         return mudd_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
+    if model.hc_layout is not None:
+        return hc_activation_terms(model, shape, mode, unit_ranges(model.n_layers, every))
     pattern = model.dwa_pattern
     terms = {"dwa_buffers": len(pattern.stored) * shape.stored_tensor, "lm_head": shape.head}
     units = unit_ranges(model.n_layers, every)
@@ -450,6 +462,9 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
+    if p.pp > 1 and model.hc_layout is not None:
+        raise ValueError(f"parallel.pp: the memory estimate of Hyper-Connections covers one "
+                         f"pipeline stage (pp=1), not pp={p.pp}")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
