@@ -3,8 +3,9 @@ crosses each boundary (one n-stream state), the plan's output, and PP2, PP3 and
 interleaved PP against one process (loss and every gradient, the connection weights
 included).
 
-Tolerances (fp32): loss 1e-5 absolute, every gradient 1e-5 relative per tensor (3e-4
-with TP = 2, slow only: the row-parallel sums round in another order). The single-process
+Tolerances (fp32): loss 1e-5 absolute, every gradient 1e-5 relative per tensor (1e-4
+with TP = 2, slow only: the row-parallel sums round in another order; measured 3.4e-5 with
+and without sequence parallelism). The single-process
 references are computed in this test process with every connection weight drawn away from
 its init (as tests/test_hc.py); the ranks load the same weights. The layouts on ranks
 beyond PP3 and interleaved PP2 are marked slow.
@@ -261,11 +262,12 @@ def run_layout(layout: str, models, counts, timeout_s: float) -> list[dict]:
     cases = [make_case(name, m, split, virtual, check_eval=n == 0, dp=dp)
              for n, (name, m) in enumerate(itertools.product(models, counts))]
     for case in cases:
-        case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-4
+        case["grad_tolerance"] = 1e-5 if tp == 1 else 1e-4
         case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
     results = run_distributed_test(hc_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
                                    cases=cases, dp=dp)
     assert all(set(r) == {c["id"] for c in cases} for r in results)
+    print(layout, "worst relative gradient error:", max(max(r.values()) for r in results))
     return cases
 
 
