@@ -7,7 +7,9 @@ tied embedding on the ranks of the first and last stage; the full alpha matrix),
 schedule: 1F1B (`Schedule1F1B`; with fewer micro-batches than stages, `ScheduleGPipe`, which
 is what 1F1B then reduces to), or interleaved 1F1B (`ScheduleInterleaved1F1B`) with
 `parallel.virtual_stages` > 1. What crosses each boundary is parallel/strategies/stage_state.py's
-(pretrain/model/attnres_program.py's, pretrain/model/mudd_program.py's for those connections).
+(pretrain/model/attnres_program.py's, pretrain/model/mudd_program.py's,
+pretrain/model/hc_program.py's for those connections: for Hyper-Connections one n-stream
+state (..., n, H) per boundary).
 
 One step (`train_step`): only the first stage reads the tokens and only the last the
 targets; the loss is the mean of the micro-batch means, as in the single-process run (each
@@ -15,7 +17,8 @@ micro-batch's loss is divided by their number, and the schedule's own gradient s
 off). Then the alpha gradients are summed over the pipeline group (each entry is applied on
 exactly one stage; likewise the AttnRes queries and key norms, whose rows each stage uses
 for the consumer states it forms, and the static MUDD weights, whose columns each stage
-applies to its X_j) and the tied embedding's gradients over the embedding
+applies to its X_j, and the Hyper-Connections' weights, whose rows each stage reads for its
+sub-layers) and the tied embedding's gradients over the embedding
 group (first and last stage, as in Megatron). Data-parallel averaging happens in the stage's
 last backward when the stage modules are DDP modules (`ddp_group`,
 parallel/strategies/ddp.py), else in the trainer; clipping and the optimizer step stay with
@@ -124,8 +127,12 @@ class PipelineRunner:
         return (batch, cfg.seq_len, cfg.d_model)
 
     def _boundary_meta(self, items, batch: int) -> tuple[torch.Tensor, ...]:
-        """Hidden-size tensors, and the AttnRes lse of n consumer states, (n, tokens)."""
+        """Hidden-size tensors, the AttnRes lse of n consumer states, (n, tokens), and the
+        Hyper-Connections' n-stream state, (..., n, H)."""
         hidden = self._hidden_shape(batch)
+        layout = self.model.config.hc_layout
+        if layout is not None:
+            hidden = (*hidden[:-1], layout.streams, hidden[-1])
         return tuple(_meta((item.index, *hidden[:-1]) if item.kind == "lse" else hidden, dtype)
                      for item, dtype in zip(items, boundary_dtypes(items, self.boundary_dtype),
                                             strict=True))

@@ -26,6 +26,10 @@ For MUDD (`model.connection: mudd`, pretrain/model/mudd_program.py) `raw` counts
 sum_{i>=b} C_i, static weights only: dynamic weights read the consumer's X_i, so the
 X_j cross raw); each boundary also gives "sources", "partial_sums" and "rule".
 
+For Hyper-Connections (`model.connection: hc` or `mhc`, pretrain/model/hc_program.py) every
+boundary carries one tensor in both modes, the n-stream state X_{2b}: `raw`, `optimal` and
+`bound` are 1, "streams" is n, and the bytes are n hidden-size tensors'.
+
 Partitioning (`stage_split`): an explicit `parallel.pp_split` (blocks per stage, in stage
 order), or a balanced split that minimises the largest stage cost, then the spread. A block
 costs 1; the embedding 1 more on the first stage (Megatron's
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 
 from parallel.strategies import stage_state
 from parallel.strategies.config import ParallelSection
-from pretrain.model import attnres_program, mudd_program
+from pretrain.model import attnres_program, hc_program, mudd_program
 from pretrain.model.config import ConfigError, DenseFormerConfig
 from pretrain.model.dwa_pattern import DWAPattern
 
@@ -159,7 +163,9 @@ class PipelinePlan:
                 # AttnRes: the states' lse, one fp32 per consumer and token.
                 lse = {mode: count["consumers"] * tokens * FP32_BYTES if count.get(
                     "per_token", {}).get(mode) else 0 for mode in ("raw", "optimal")}
-                entry["bytes_per_microbatch"] = {mode: count[mode] * per_tensor + lse[mode]
+                # HC: each tensor is an n-stream state, n hidden-size tensors.
+                width = count.get("streams", 1) * per_tensor
+                entry["bytes_per_microbatch"] = {mode: count[mode] * width + lse[mode]
                                                  for mode in ("raw", "optimal")}
             boundaries.append(entry)
         return {"stages": [list(r) for r in self.stages], "boundaries": boundaries,
@@ -177,10 +183,12 @@ class PipelinePlan:
         stages = ", ".join(f"{a}-{b}" for a, b in self.stages)
         lines = [f"pipeline: {self.pp} ranks x {self.virtual_stages} virtual stages, blocks "
                  f"{stages}; transfer {self.transfer}"]
-        if "sources" in (rep["boundaries"] or [{}])[0]:
+        if {"sources", "streams"} & set((rep["boundaries"] or [{}])[0]):
             lines[0] += f"; {rep['model']}"
         for entry, items in zip(rep["boundaries"], rep["items"], strict=True):
             sent = f"{entry[self.transfer]} tensors"
+            if "streams" in entry:  # HC
+                sent = f"one n-stream state ({entry['streams']} hidden-size tensors)"
             if entry.get("per_token", {}).get(self.transfer):
                 sent += f" + {entry['per_token'][self.transfer]} per-token"
             size = ""
@@ -195,6 +203,8 @@ class PipelinePlan:
                 counts = (f"sources {entry['sources']}, partial sums "
                           f"{'none (dynamic)' if partial is None else partial}, {counts} = "
                           f"{entry['rule']}")
+            elif "streams" in entry:  # HC
+                counts = f"{counts} = {entry['rule']}"
             lines.append(f"  after block {entry['after_block']}: {sent}{size} per "
                          f"micro-batch ({counts}): {' '.join(items)}")
         return lines
@@ -211,6 +221,8 @@ def build_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int = 1,
         return _attnres_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
     if cfg.mudd_layout is not None:
         return _mudd_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
+    if cfg.hc_layout is not None:
+        return _hc_plan(cfg, pp, virtual_stages, transfer, stages, boundaries)
     programs = stage_state.stage_programs(pattern, stages, transfer)
     raw = stage_state.boundary_states(pattern, boundaries, "raw")
     optimal = stage_state.boundary_states(pattern, boundaries, "optimal")
@@ -254,6 +266,22 @@ def _mudd_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int, transfer: s
                        "optimal": len(mudd_program.boundary_state(layout, b, "optimal")),
                        "bound": limit, "rule": rule, "sources": sizes.sources,
                        "partial_sums": sizes.partial if not layout.dynamic else None})
+    return PipelinePlan(cfg, cfg.dwa_pattern, pp, virtual_stages, transfer, stages, programs,
+                        counts)
+
+
+def _hc_plan(cfg: DenseFormerConfig, pp: int, virtual_stages: int, transfer: str,
+             stages: list[tuple[int, int]], boundaries: list[int]) -> PipelinePlan:
+    """The plan of a Hyper-Connections model: one n-stream state per boundary, in either
+    mode (pretrain/model/hc_program.py)."""
+    layout = cfg.hc_layout
+    programs = hc_program.stage_programs(layout, stages)
+    counts = []
+    for b in boundaries:
+        limit, rule = hc_program.bound(layout, b)
+        sent = len(hc_program.boundary_items(layout, b))
+        counts.append({"after_block": b, "raw": sent, "optimal": sent, "bound": limit,
+                       "rule": rule, "streams": layout.streams})
     return PipelinePlan(cfg, cfg.dwa_pattern, pp, virtual_stages, transfer, stages, programs,
                         counts)
 

@@ -8,7 +8,8 @@ state (pretrain/model/state.py) see the same tensors as in `DenseFormer`. Every 
 the full (d, d + 1) alpha matrix; a stage applies only its entries
 (parallel/strategies/stage_state.py) and the pipeline sums the alpha gradients over the
 pipeline group, so all copies stay equal (likewise the AttnRes queries and key norms and
-the static MUDD weights; a dynamic MUDD mix's weights are on the rank that forms it).
+the static MUDD weights and the Hyper-Connections' (L, ...) weights, of which a stage reads
+its sub-layers' rows; a dynamic MUDD mix's weights are on the rank that forms it).
 
 `StageModule` runs one (virtual) stage: it takes the tokens (first stage) or the tensors
 that cross its incoming boundary, and returns the outgoing tensors, or on the last stage this
@@ -32,6 +33,8 @@ from pretrain.model.config import DenseFormerConfig
 from pretrain.model.dwa import storage_dtype, training_connections
 from pretrain.model.dwa_layout import buffer_layout
 from pretrain.model.dwa_weights import DWAWeights
+from pretrain.model.hc import HCConnections
+from pretrain.model.hc import new_parameters as new_hc_parameters
 from pretrain.model.init import init_parameters
 from pretrain.model.layers import Block, norm
 from pretrain.model.linear import no_init
@@ -89,6 +92,15 @@ class StageModel(nn.Module):
                                 if src.kind == "mudd"})
             self.mudd_static, self.mudd_w1, self.mudd_w2 = MuddWeights.new_parameters(
                 cfg.mudd_layout, cfg.d_model, mixes)
+        # Hyper-Connections: every sub-layer's row of each (L, ...) weight on every rank, as
+        # the single-process model holds them (a stage reads its sub-layers' rows; the
+        # pipeline sums the gradients, as for the alphas), so the state is the same at any
+        # pipeline size.
+        self.hc_names: tuple[str, ...] = ()
+        if cfg.hc_layout is not None:
+            for name, param in new_hc_parameters(cfg.hc_layout, cfg.d_model).items():
+                setattr(self, name, param)
+            self.hc_names = tuple(new_hc_parameters(cfg.hc_layout, 1))
         mark_tensor_parallel(self)
         if self.sequence_parallel:
             mark_sequence_parallel(self)
@@ -128,13 +140,17 @@ class StageModel(nn.Module):
 
     def replicated_connection_parameters(self) -> list[nn.Parameter]:
         """The depth-connection weights every rank holds whole and each stage uses in part
-        (the alpha matrix, the AttnRes queries and key norms, the static MUDD weights): the
-        pipeline sums their gradients over its group."""
+        (the alpha matrix, the AttnRes queries and key norms, the static MUDD weights, the
+        Hyper-Connections' weights): the pipeline sums their gradients over its group."""
         mudd = []
         if self.mudd_static is not None and not self.config.mudd_layout.dynamic:
             mudd = list(self.mudd_static.values())
         return [p for p in (self.dwa_alpha, self.attnres_query, self.attnres_key_norm)
-                if p is not None] + mudd
+                if p is not None] + mudd + list(self.hc_parameters().values())
+
+    def hc_parameters(self) -> dict[str, torch.Tensor]:
+        """{name: parameter} of the Hyper-Connections (empty under another connection)."""
+        return {name: getattr(self, name) for name in self.hc_names}
 
 
 class StageModule(nn.Module):
@@ -176,6 +192,9 @@ class StageModule(nn.Module):
             connections = self._attnres_connections(incoming)
         elif model.mudd_static is not None:
             connections = self._mudd_connections(incoming, next(iter(x.values()), None))
+        elif model.hc_names:  # the received X_j is the n-stream state itself
+            connections = HCConnections(model.config.hc_layout, model.hc_parameters(),
+                                        model.config.norm_eps)
         else:
             connections = training_connections(
                 self.dwa_layout, model.dwa_alpha, next(iter((*x.values(), *sums.values()))),

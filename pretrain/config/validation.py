@@ -147,9 +147,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.n_layers >= p.pp, "parallel.pp",
            f"pp={p.pp} stages need model.n_layers >= pp, got {m.n_layers}")
     _check_pipeline(p, m.n_layers)
-    _check(p.pp == 1 or m.hc_layout is None, "parallel.pp",
-           f"pp={p.pp} is not available with model.connection={m.depth_connection} "
-           "(Hyper-Connections run as one pipeline stage for now): use pp=1")
     _check(p.zero_stage < 2 or (p.tp == 1 and p.pp == 1), "parallel.zero_stage",
            f"ZeRO-{p.zero_stage} is refused with tp={p.tp}, pp={p.pp}: GPT-NeoX/DeepSpeed only "
            "support ZeRO-1 with model parallelism (with PP, ZeRO-2's gradient hooks fire once "

@@ -15,15 +15,20 @@ reads X_{c-1} and writes X_c:
 T_c is block i's `attention_branch` or `mlp_branch` (pre-norm, no skip). Consumer L + 1 is
 the model output, sum_k X_L[k], which the final norm reads.
 
-A pipeline stage cut from this program (not available yet: config validation refuses pp > 1)
-would receive and send exactly one tensor, the state X_{2b} at the boundary after block b.
+Pipeline stages (blocks first..last): every sub-layer reads only the state before it, so
+the boundary after block b carries exactly one tensor, the n-stream state X_{2b}
+(`boundary_items`, `Item("x", 2b)`: n hidden-size tensors' bytes, (..., n, H)); the stage
+after starts from it as the first stage starts from X_0. There is nothing to choose: raw
+and optimal transfer are the same one state, which is also the least any stage cut can
+send (`bound`). The stage that runs sub-layer c is the only one that reads its weights
+(row c of each parameter).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.model.program import Source, StageProgram, Step
+from pretrain.model.program import Item, Source, StageProgram, Step
 
 
 @dataclass(frozen=True)
@@ -78,15 +83,58 @@ class HCLayout:
         return f"HC{'' if self.dynamic else ' static'} n={self.streams}"
 
 
-def hc_program(layout: HCLayout) -> StageProgram:
-    """The whole model's program: each block as its two branches, each reading the state
-    X_{c-1} (its one term) and writing X_c through the connection state (`Step.write`);
-    the output is consumer L + 1, the sum of the streams of X_L."""
+def boundary_items(layout: HCLayout, b: int) -> tuple[Item, ...]:
+    """What crosses the boundary after block b: the n-stream state X_{2b}, one tensor."""
+    return (Item("x", 2 * b),)
+
+
+def bound(layout: HCLayout, b: int) -> tuple[int, str]:
+    """(the fewest tensors boundary b can carry, the rule that gives it)."""
+    return 1, f"one n-stream state (n={layout.streams} hidden-size tensors' bytes)"
+
+
+def hc_program(layout: HCLayout, first: int = 1, last: int | None = None,
+               incoming: tuple[Item, ...] | None = None,
+               outgoing: tuple[Item, ...] | None = None) -> StageProgram:
+    """The program of blocks first..last (default: the whole model): each block as its two
+    branches, each reading the state X_{c-1} (its one term) and writing X_c through the
+    connection state (`Step.write`); the last stage's output is consumer L + 1, the sum of
+    the streams of X_L. A stage after the first starts from X_{2(first-1)} (`incoming`,
+    default that state), one before the last sends X_{2 last} (`outgoing`, default that)."""
+    d = layout.n_layers
+    last = d if last is None else last
+    if not 1 <= first <= last <= d:
+        raise ValueError(f"blocks {first}..{last} are not a stage of a {d}-block model")
+    start = 2 * (first - 1)
+    incoming = () if first == 1 else (boundary_items(layout, first - 1) if incoming is None
+                                      else tuple(incoming))
+    if first > 1 and incoming != boundary_items(layout, first - 1):
+        raise ValueError(f"stage {first}..{last} starts from X_{start} alone, got "
+                         f"{[str(item) for item in incoming]}")
     steps = []
-    for i in range(1, layout.n_layers + 1):
+    for i in range(first, last + 1):
         for c, layer in ((2 * i - 1, "attention_branch"), (2 * i, "mlp_branch")):
             steps.append(Step(i, layer, Source("hc", c, terms=(c - 1,)), out=c,
                               residual=c - 1, write=True))
-    last = layout.n_sublayers
-    return StageProgram(1, layout.n_layers, layout.n_layers, (), tuple(steps), (),
-                        (Source("hc", last + 1, terms=(last,)),))
+    hi = 2 * last
+    if last == d:
+        if outgoing:
+            raise ValueError("the last stage sends nothing")
+        outgoing, sources = (), (Source("hc", hi + 1, terms=(hi,)),)
+    else:
+        want = boundary_items(layout, last)
+        outgoing = want if outgoing is None else tuple(outgoing)
+        if outgoing != want:
+            raise ValueError(f"stage {first}..{last} sends X_{hi} alone, got "
+                             f"{[str(item) for item in outgoing]}")
+        sources = (Source("x", hi),)
+    return StageProgram(first, last, d, incoming, tuple(steps), outgoing, sources)
+
+
+def stage_programs(layout: HCLayout, stages: list[tuple[int, int]]) -> list[StageProgram]:
+    """One program per stage (inclusive block ranges covering 1..d, in order)."""
+    programs = []
+    for n, (first, last) in enumerate(stages):
+        programs.append(hc_program(layout, first, last,
+                                   outgoing=() if n == len(stages) - 1 else None))
+    return programs
