@@ -109,14 +109,6 @@ def test_state_estimate_equals_real_tensors(extra):
     assert sum(map(sum, groups.values())) == cfg.model.num_params()
 
 
-def test_pipeline_estimate_refuses_mudd_naming_pp():
-    from parallel.strategies.memory import pipeline_activation_terms
-
-    cfg = config(*mudd())
-    with pytest.raises(ValueError, match="parallel.pp"):
-        pipeline_activation_terms(cfg.model, None, "none", 1, 2, 0, 1, None)
-
-
 def test_checkpointing_modes_order_for_mudd():
     """At the paper shape dwa_block keeps less than block, which keeps less than none."""
     totals = {}
@@ -182,3 +174,70 @@ def test_tp2_with_and_without_sequence_parallelism_matches_the_probe():
     # The probe sees 48 bytes more at TP = 2 (a few small tensors of the vocabulary-parallel
     # loss, as for Attention Residuals and the DWA), whatever the MUDD variant or mode.
     assert all(0 <= d <= 48 for d in diffs.values()), diffs
+
+
+# Pipeline stages: each stage of a plan chained in one process and measured by
+# `measure_stage` (tests/test_memory_attnres.py `measured_stages`), against the estimate of
+# its rank with one micro-batch in flight (the gradient buffer apart: a forward makes none).
+STAGE_CASES = {
+    "dynamic-pp2": (True, "qkvr", ["parallel.pp=2"]),  # X_0..X_2 raw
+    "dynamic-pp3-r": (True, "r", ["parallel.pp=3", "model.n_layers=5"]),
+    "static-pp2-raw": (False, "qkvr", ["parallel.pp=2", "parallel.pp_split=[3,1]",
+                                       "parallel.pp_transfer=raw"]),
+    "static-pp2-sums": (False, "qkvr", ["parallel.pp=2", "model.n_layers=11",
+                                        "parallel.pp_split=[9,2]"]),  # 9 sums, not X_0..X_9
+    "static-pp3-qkvr-sums-twice": (False, "qkvr", ["parallel.pp=3", "model.n_layers=11",
+                                                   "parallel.pp_split=[9,1,1]"]),
+    "static-pp3-sums-twice": (False, "r", ["parallel.pp=3", "model.n_layers=6",
+                                           "parallel.pp_split=[3,2,1]"]),
+    "static-pp3-raw-then-sums": (False, "qkvr", ["parallel.pp=3", "model.n_layers=6",
+                                                 "parallel.pp_split=[1,3,2]"]),
+}
+
+
+def stage_config(case: str, mode: str, *extra: str, tp: int = 1):
+    dynamic, streams, overrides = STAGE_CASES[case]
+    pp = int(overrides[0].rpartition("=")[2])
+    return config(*mudd(dynamic, streams), *overrides, f"parallel.activation_checkpointing={mode}",
+                  f"parallel.tp={tp}", *extra, world_size=tp * pp)
+
+
+def stage_forward_bytes(cfg, world_size: int, rank: int) -> int:
+    terms = estimated(cfg, world_size, rank).activations
+    return estimated(cfg, world_size, rank).activation_bytes - \
+        terms["in_flight_microbatches"] * terms["mudd_grad_buffers/microbatch"]
+
+
+FAST_STAGES = {("dynamic-pp3-r", "block"), ("static-pp2-raw", "none"),
+               ("static-pp3-sums-twice", "none")}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case,mode", [
+    c if c in FAST_STAGES else pytest.param(*c, marks=pytest.mark.slow)
+    for c in ((case, mode) for case in STAGE_CASES for mode in ("none", "block"))])
+def test_pipeline_stage_estimate_equals_the_probe(case, mode):
+    """Each pipeline rank's estimate (one micro-batch in flight) is what its stage keeps, to
+    the byte: its buffer's slots, the X_j it keeps, what it receives and sends (raw X_j or
+    partial sums), its mixes' state and its blocks (`none`) or their checkpointed inputs and
+    one block's recomputation (`block`)."""
+    from tests.test_memory_attnres import measured_stages
+
+    cfg = stage_config(case, mode)
+    pp = cfg.parallel.pp
+    plan_slots = [p.last + 1 for p in measured_programs(cfg)]
+    for rank, report in enumerate(measured_stages(cfg)):
+        estimate = estimated(cfg, pp, rank)
+        assert estimate.activations["in_flight_microbatches"] == 1
+        assert report.stored_outputs == plan_slots[rank]
+        assert estimate.activations["mudd_buffers/microbatch"] == report.dwa_buffer_bytes
+        assert stage_forward_bytes(cfg, pp, rank) == report.total_bytes, (
+            case, mode, rank, report.as_dict(), estimate.activations)
+        assert estimate.activations["recompute_working_set"] == report.recompute_bytes
+
+
+def measured_programs(cfg):
+    from parallel.strategies.plan import build_plan
+
+    p = cfg.parallel
+    return build_plan(cfg.model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer).programs

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
-from parallel.strategies.mudd_memory import mudd_activation_terms
+from parallel.strategies.mudd_memory import mudd_activation_terms, mudd_rank_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -393,9 +393,9 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
-    if model.mudd_layout is not None:  # config validation refuses it too, for now
-        raise ValueError(f"parallel.pp: the memory estimate of MUDD covers one pipeline stage "
-                         f"(pp=1), not pp={pp}")
+    if model.mudd_layout is not None:
+        programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
+        return mudd_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
     if model.attnres_layout is not None:
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
         return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
