@@ -241,3 +241,51 @@ def measured_programs(cfg):
 
     p = cfg.parallel
     return build_plan(cfg.model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer).programs
+
+
+@pytest.mark.parametrize("mode", ["none", "block"])
+def test_interleaved_stages_sum_per_rank(mode):
+    """PP = 2 with two virtual stages a rank (one block each), static partial sums on the
+    last boundary: a rank's estimate is its two stages' bytes times the micro-batches in
+    flight (2 on rank 0, 1 on rank 1), plus the larger recomputation."""
+    from tests.test_memory_attnres import measured_stages
+
+    cfg = config(*mudd(False, "r"), "parallel.pp=2", "parallel.virtual_stages=2",
+                 "parallel.microbatches=2", "train.batch_size=4",
+                 f"parallel.activation_checkpointing={mode}", world_size=2)
+    assert any(item.kind == "mudd_r" for item in measured_programs(cfg)[3].incoming)
+    reports = measured_stages(cfg)
+    for rank, stages in enumerate(([0, 2], [1, 3])):
+        terms = estimated(cfg, 2, rank).activations
+        in_flight = terms["in_flight_microbatches"]
+        assert in_flight == 2 - rank
+        assert terms["stages"] - in_flight * terms["mudd_grad_buffers/microbatch"] == \
+            in_flight * sum(reports[s].total_bytes - reports[s].recompute_bytes for s in stages)
+        assert terms["recompute_working_set"] == max(reports[s].recompute_bytes for s in stages)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_rank_parameters_are_the_stage_models(dynamic):
+    """Per pipeline rank (PP = 3, and PP = 2 interleaved) the estimate counts the parameters
+    its StageModel holds: dynamic, the weights of the mixes its stages form; static, every
+    a_i on every rank."""
+    from parallel.primitives import groups
+    from parallel.strategies.memory import local_parameters
+    from parallel.strategies.plan import build_plan
+    from parallel.strategies.stage_model import StageModel
+
+    groups.ensure_initialized()
+    for extra in (["parallel.pp=3"], ["parallel.pp=2", "parallel.virtual_stages=2"]):
+        pp = int(extra[0][-1])
+        cfg = config(*mudd(dynamic, n_layers=6), *extra, world_size=pp)
+        p = cfg.parallel
+        plan = build_plan(cfg.model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
+        for rank in range(p.pp):
+            stages = plan.stages_of_rank(rank)
+            programs = [plan.programs[s] for s in stages]
+            model = StageModel(cfg.model, programs)
+            blocks = [i for prog in programs for i in range(prog.first, prog.last + 1)]
+            groups_ = local_parameters(cfg.model, 1, blocks, 0 in stages,
+                                       plan.n_stages - 1 in stages, False)
+            assert sum(map(sum, groups_.values())) == \
+                sum(t.numel() for t in model.parameters()), (extra, rank)

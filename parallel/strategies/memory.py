@@ -158,8 +158,13 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
         per_matrix = model.attnres_layout.n_params(h) // 2
         (decay if decay_alphas else no_decay).extend([per_matrix, per_matrix])
     mudd = model.mudd_layout
-    if mudd is not None:  # MUDD's static weights and dynamic-weight MLPs, on every rank
-        for i in range(1, model.n_layers + 1):
+    if mudd is not None:
+        # MUDD's weights: static, every a_i on every rank (stages apply columns of a_i);
+        # dynamic, (a_i, W1_i, W2_i) of the mixes this rank's stages form, M_{first-1}..
+        # M_{last-1} per stage and M_d on the last (parallel/strategies/stage_model.py).
+        mixes = range(1, model.n_layers + 1) if not mudd.dynamic else sorted(
+            {i - 1 for i in blocks if i > 1} | ({model.n_layers} if last else set()))
+        for i in mixes:
             k = mudd.width(i)
             (decay if decay_alphas else no_decay).extend(
                 [k, k * h, k * k] if mudd.dynamic else [k])
