@@ -23,9 +23,10 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
   X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
   per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
-- for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
-  buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
-  blocks' (parallel/strategies/mudd_memory.py).
+- for MUDD (`model.connection: mudd`) its buffer of X_0..X_d and the buffer's gradient,
+  the X_j kept beside it, the dynamic mixes' saved state and the blocks'
+  (parallel/strategies/mudd_memory.py); per pipeline stage the buffer's slots 0..last and
+  the raw X_j or static partial sums it receives and sends.
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.

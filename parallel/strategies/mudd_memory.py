@@ -1,6 +1,6 @@
 """What MUDD keeps for backward, per activation-checkpointing mode: the activation terms of
-parallel/strategies/memory.py for `model.connection: mudd` (the whole model, one pipeline
-stage).
+parallel/strategies/memory.py for `model.connection: mudd` (the whole model, and each
+pipeline stage).
 
 Plain arithmetic over the layout (pretrain/model/mudd_program.py: blocks 1..d, X_0 the
 embedding, mix M_i after block i forms the C_i streams of block i + 1, C_d = 1). Per token
@@ -40,8 +40,26 @@ entry mix from X_0..X_{a-1}, its inputs; only the output mix M_d runs outside. R
 unit holds its blocks' internals, the outputs of its mixes and their state (the X_i of its
 inner mixes too).
 
+A pipeline stage (`mudd_stage_terms`, blocks first..last, the program of mudd_program.py
+run by parallel/strategies/stage_model.py) keeps, per micro-batch in flight: its buffer's
+slots 0..last and their gradient buffer (slots 0..first-1 too when it receives partial
+sums: they are allocated, unused); X_0 on the first stage and, dynamic in fp32, the X_i of
+the mixes it forms that were made here (`mudd_held`); what it receives, as it came (raw
+X_j, or for static MUDD in `optimal` transfer the partial sums M_i.s), widened on receipt
+where narrower and kept (the X_i a dynamic mix reads, a block's input); what it sends and
+nothing else keeps (the X_j made here, the partial sums); the state of the mixes it forms,
+M_{first-1}..M_{last-1} and M_d on the last stage (dynamic: as above; a partial sum sent
+on is formed in plain ops, whose matmul saves the stack of the stage's X_lo..X_last per
+stream); its blocks, each with its input: M_{i-1}'s C streams (one storage), none for
+block 1 (X_0) or a block whose whole input was received, and a mix that adds received
+sums to the stage's own terms makes C separate tensors, of which a qkvr block keeps q, k,
+v (its norms' inputs) and a checkpoint all four. With `block` (the pipeline checkpoints
+each block) the inputs and one block's recomputation; the mixes run outside. The last
+stage also holds Y_d, its output, beside what the head keeps.
+
 Checked against the autograd probe (parallel/strategies/memory_probe.py, which counts the
-buffer and the streams a checkpoint keeps in a tuple) in tests/test_memory_mudd.py.
+buffer and the streams a checkpoint keeps in a tuple) in tests/test_memory_mudd.py, the
+whole model and each pipeline stage.
 """
 
 from __future__ import annotations
