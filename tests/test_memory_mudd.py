@@ -289,3 +289,33 @@ def test_rank_parameters_are_the_stage_models(dynamic):
                                        plan.n_stages - 1 in stages, False)
             assert sum(map(sum, groups_.values())) == \
                 sum(t.numel() for t in model.parameters()), (extra, rank)
+
+
+def tp_stage_cases() -> dict:
+    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
+    from tests.test_memory_attnres import measured_stages
+
+    out = {}
+    for case in ("dynamic-pp2", "static-pp2-sums"):
+        for sp in (False, True):
+            for mode in ("none", "block"):
+                cfg = stage_config(case, mode,
+                                   f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+                out[(case, sp, mode)] = [r.total_bytes for r in measured_stages(cfg)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
+    """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): the buffer,
+    the mixes and what crosses on this rank's sequence slice under SP."""
+    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=280)[0]
+    diffs = {}
+    for (case, sp, mode), totals in measured.items():
+        cfg = stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+        world = 2 * cfg.parallel.pp
+        for pp_rank, total in enumerate(totals):
+            diffs[(case, sp, mode, pp_rank)] = \
+                total - stage_forward_bytes(cfg, world, 2 * pp_rank)
+    assert all(d == 0 for d in diffs.values()), diffs
