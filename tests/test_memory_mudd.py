@@ -209,7 +209,7 @@ def stage_forward_bytes(cfg, world_size: int, rank: int) -> int:
 
 
 FAST_STAGES = {("dynamic-pp3-r", "block"), ("static-pp2-raw", "none"),
-               ("static-pp3-sums-twice", "none")}
+               ("static-pp2-sums", "block"), ("static-pp3-sums-twice", "none")}
 
 
 @pytest.mark.timeout(200)
