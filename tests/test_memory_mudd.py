@@ -243,7 +243,7 @@ def measured_programs(cfg):
     return build_plan(cfg.model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer).programs
 
 
-@pytest.mark.parametrize("mode", ["none", "block"])
+@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "block"])
 def test_interleaved_stages_sum_per_rank(mode):
     """PP = 2 with two virtual stages a rank (one block each), static partial sums on the
     last boundary: a rank's estimate is its two stages' bytes times the micro-batches in
