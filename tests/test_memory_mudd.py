@@ -5,7 +5,13 @@ streams qkvr and r, gpt and llama blocks (the probe counts the buffer of X_0..X_
 streams a checkpoint keeps in a tuple); the gradient buffer, which only backward makes, to
 the byte after a backward; the parameters, gradients and AdamW state equal to the real
 tensors; at TP = 2 with and without sequence parallelism within 48 bytes, under bf16
-autocast within 5% (the weight copies exactly)."""
+autocast within 5% (the weight copies exactly).
+
+Pipeline stages (`measure_stage`, the stages of a plan chained in one process): every stage
+of PP = 2 and PP = 3 plans, dynamic and static in both transfer modes, to the byte in fp32
+(the forward's terms: the gradient buffer apart), interleaved stages summed per rank, TP = 2
+with and without SP to the byte, a bf16 boundary under autocast within 2%; and each rank's
+parameter count equal to its StageModel's."""
 
 from __future__ import annotations
 
