@@ -23,9 +23,10 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
 - for Attention Residuals (`model.connection: attnres`) instead of the DWA buffers: the held
   X_j and the mixes' saved state per checkpointing mode (parallel/strategies/attnres_memory.py),
   per pipeline stage also the boundary tensors it receives and sends (the lse in fp32).
-- for MUDD (`model.connection: mudd`, one pipeline stage) its buffer of X_0..X_d and the
-  buffer's gradient, the X_j kept beside it, the dynamic mixes' saved state and the
-  blocks' (parallel/strategies/mudd_memory.py).
+- for MUDD (`model.connection: mudd`) its buffer of X_0..X_d and the buffer's gradient,
+  the X_j kept beside it, the dynamic mixes' saved state and the blocks'
+  (parallel/strategies/mudd_memory.py); per pipeline stage the buffer's slots 0..last and
+  the raw X_j or static partial sums it receives and sends.
 - for Hyper-Connections (`model.connection: hc` or `mhc`, one pipeline stage) the n-stream
   states kept (every sub-layer's input state, or the checkpoint units'), the per-token
   weights the mixes save and the sub-layers' branches (parallel/strategies/hc_memory.py).
@@ -72,7 +73,7 @@ from dataclasses import dataclass, field
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
 from parallel.strategies.hc_memory import hc_activation_terms
-from parallel.strategies.mudd_memory import mudd_activation_terms
+from parallel.strategies.mudd_memory import mudd_activation_terms, mudd_rank_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -162,8 +163,13 @@ def local_parameters(model: DenseFormerConfig, tp: int, blocks: range, first: bo
         per_matrix = model.attnres_layout.n_params(h) // 2
         (decay if decay_alphas else no_decay).extend([per_matrix, per_matrix])
     mudd = model.mudd_layout
-    if mudd is not None:  # MUDD's static weights and dynamic-weight MLPs, on every rank
-        for i in range(1, model.n_layers + 1):
+    if mudd is not None:
+        # MUDD's weights: static, every a_i on every rank (stages apply columns of a_i);
+        # dynamic, (a_i, W1_i, W2_i) of the mixes this rank's stages form, M_{first-1}..
+        # M_{last-1} per stage and M_d on the last (parallel/strategies/stage_model.py).
+        mixes = range(1, model.n_layers + 1) if not mudd.dynamic else sorted(
+            {i - 1 for i in blocks if i > 1} | ({model.n_layers} if last else set()))
+        for i in mixes:
             k = mudd.width(i)
             (decay if decay_alphas else no_decay).extend(
                 [k, k * h, k * k] if mudd.dynamic else [k])
@@ -405,9 +411,9 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
-    if model.mudd_layout is not None:  # config validation refuses it too, for now
-        raise ValueError(f"parallel.pp: the memory estimate of MUDD covers one pipeline stage "
-                         f"(pp=1), not pp={pp}")
+    if model.mudd_layout is not None:
+        programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
+        return mudd_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
     if model.attnres_layout is not None:
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
         return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)

@@ -226,7 +226,9 @@ def measure_stage(stage: nn.Module, received: tuple, loss_fn: Callable | None = 
     tensors, the received and sent ones that autograd does not save (`boundary_bytes`: the
     schedule holds a stage's inputs and outputs until its backward), and the largest
     checkpointed layer's recomputation; autocast's weight copies apart, as in
-    `measure_activations`. No DWA buffers are looked for."""
+    `measure_activations`. MUDD's buffer of the stage's X_j (pretrain/model/mudd_mix.py)
+    counts as `dwa_buffer_bytes`, and the streams a checkpointed block keeps in a tuple as
+    saved (the DWA's buffers are not looked for: the pipeline estimates them apart)."""
     exclude = model_storages(stage)
     recorder: list = []
     stage.recorder = recorder if stage.activation_checkpointing else None
@@ -237,14 +239,27 @@ def measure_stage(stage: nn.Module, received: tuple, loss_fn: Callable | None = 
             loss = loss_fn(outputs) if loss_fn is not None else None
     finally:
         stage.recorder = None
+    ends = [t for t in (*outputs, loss) if isinstance(t, torch.Tensor) and t.grad_fn]
+    buffers = {id(b): b for t in ends for b in dwa_buffers_of(t)
+               if isinstance(b, MuddBuffers)}.values()
+    buffer_storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                       for b in buffers for v, _ in _buffer_slots(b)}
     copies = casts.copies()
-    saved = {k: v for k, v in counter.alive().items() if k not in copies}
+    saved = {k: v for k, v in counter.alive().items()
+             if k not in copies and k not in buffer_storages}
+    for _, inputs in recorder:  # tensors inside a layer's non-tensor input (a tuple)
+        for k, n in _storages(t for x in inputs if isinstance(x, tuple) for t in x).items():
+            if k not in exclude and k not in buffer_storages:
+                saved.setdefault(k, (n, (), "checkpoint input"))
     boundary = {k: n for k, n in {**_storages(received), **_storages(outputs)}.items()
                 if k not in saved and k not in exclude and k not in copies}
-    recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary) | set(copies))
+    recompute = _recompute_bytes(recorder, exclude | set(saved) | set(boundary) | set(copies)
+                                 | set(buffer_storages))
     del loss
     return ActivationReport(
-        saved_bytes=sum(n for n, _, _ in saved.values()), dwa_buffer_bytes=0,
-        stored_outputs=0, recompute_bytes=recompute,
+        saved_bytes=sum(n for n, _, _ in saved.values()),
+        dwa_buffer_bytes=sum(buffer_storages.values()),
+        stored_outputs=sum(n for b in buffers for _, n in _buffer_slots(b)),
+        recompute_bytes=recompute,
         largest=sorted(saved.values(), key=lambda item: -item[0])[:10],
         boundary_bytes=sum(boundary.values()), autocast_copy_bytes=sum(copies.values()))

@@ -1,6 +1,6 @@
 """What MUDD keeps for backward, per activation-checkpointing mode: the activation terms of
-parallel/strategies/memory.py for `model.connection: mudd` (the whole model, one pipeline
-stage).
+parallel/strategies/memory.py for `model.connection: mudd` (the whole model, and each
+pipeline stage).
 
 Plain arithmetic over the layout (pretrain/model/mudd_program.py: blocks 1..d, X_0 the
 embedding, mix M_i after block i forms the C_i streams of block i + 1, C_d = 1). Per token
@@ -40,8 +40,26 @@ entry mix from X_0..X_{a-1}, its inputs; only the output mix M_d runs outside. R
 unit holds its blocks' internals, the outputs of its mixes and their state (the X_i of its
 inner mixes too).
 
+A pipeline stage (`mudd_stage_terms`, blocks first..last, the program of mudd_program.py
+run by parallel/strategies/stage_model.py) keeps, per micro-batch in flight: its buffer's
+slots 0..last and their gradient buffer (slots 0..first-1 too when it receives partial
+sums: they are allocated, unused); X_0 on the first stage and, dynamic in fp32, the X_i of
+the mixes it forms that were made here (`mudd_held`); what it receives, as it came (raw
+X_j, or for static MUDD in `optimal` transfer the partial sums M_i.s), widened on receipt
+where narrower and kept (the X_i a dynamic mix reads, a block's input); what it sends and
+nothing else keeps (the X_j made here, the partial sums); the state of the mixes it forms,
+M_{first-1}..M_{last-1} and M_d on the last stage (dynamic: as above; a partial sum sent
+on is formed in plain ops, whose matmul saves the stack of the stage's X_lo..X_last per
+stream); its blocks, each with its input: M_{i-1}'s C streams (one storage), none for
+block 1 (X_0) or a block whose whole input was received, and a mix that adds received
+sums to the stage's own terms makes C separate tensors, of which a qkvr block keeps q, k,
+v (its norms' inputs) and a checkpoint all four. With `block` (the pipeline checkpoints
+each block) the inputs and one block's recomputation; the mixes run outside. The last
+stage also holds Y_d, its output, beside what the head keeps.
+
 Checked against the autograd probe (parallel/strategies/memory_probe.py, which counts the
-buffer and the streams a checkpoint keeps in a tuple) in tests/test_memory_mudd.py.
+buffer and the streams a checkpoint keeps in a tuple) in tests/test_memory_mudd.py, the
+whole model and each pipeline stage.
 """
 
 from __future__ import annotations
@@ -135,3 +153,91 @@ def mudd_activation_terms(model: DenseFormerConfig, shape, mode: str,
         terms["checkpoint_boundaries"] = entries
     terms["recompute_working_set"] = working
     return terms
+
+
+def mudd_stage_terms(model: DenseFormerConfig, shape, mode: str, program,
+                     boundary_bytes: int) -> dict[str, int]:
+    """Bytes of one micro-batch on one pipeline stage, by term (module docstring); `program`
+    its StageProgram (mudd_program.py), `boundary_bytes` the element size of what crosses a
+    boundary (parallel.pipeline_dtype). `mode`: `none` or `block` (each block a
+    checkpoint)."""
+    layout = model.mudd_layout
+    d, first, last = layout.n_layers, program.first, program.last
+    x = shape.stream_tensor
+    p = shape.precision
+    received = {(item.index, item.kind) for item in program.incoming
+                if item.kind.startswith("mudd_")}
+    summed = {i for i, _ in received}  # the mixes whose received partial sums it adds
+    lo = first if received else 0  # the first buffer slot its mixes read
+    mixes = list(range(max(first - 1, 1), last)) + ([d] if program.is_last else [])
+    slots = (last + 1) * x  # slots 0..last, allocated whatever is received
+    terms = {"mudd_buffers": slots, "mudd_grad_buffers": slots}
+    token_ids = 8 * shape.micro_batch * (shape.seq + 1)
+    if program.is_first:  # as attnres_memory.attnres_stage_terms: the (B, S + 1) batch's
+        # view, and under TP the shifted ids and the out-of-shard mask
+        terms["token_ids"] = token_ids + (9 * shape.tokens if shape.tp > 1 else 0)
+    # X_0 (block 1's input), and the X_i made here that a dynamic mix's RMSNorm saves.
+    saves_x = layout.dynamic and p.stream == FP32
+    held = ({0} if program.is_first else set()) | (
+        {i for i in mixes if i >= first} if saves_x else set())
+    terms["mudd_held"] = len(held) * x
+    terms["mudd_mixes"] = sum(_mix_state(layout, i, shape) for i in mixes)
+    # A static partial sum sent on is formed in plain ops (`functional_mix`): its matmul
+    # saves the stack of the stage's X_lo..X_last, per stream.
+    partial_out = [item for item in program.outgoing if item.kind.startswith("mudd_")]
+    terms["mudd_mixes"] += len(partial_out) * (last - lo + 1) * x
+    # What arrives is held as the stage's inputs, widened on receipt where narrower and
+    # something keeps the widened tensor (the X_i a dynamic mix reads, a block's input).
+    boundary = shape.tokens * shape.hidden * boundary_bytes // shape.seq_split
+    narrow = boundary_bytes != p.stream
+    kept_wide = {("x", first - 1)} if layout.dynamic else {
+        (i, k) for i, k in received if i == first - 1}
+    terms["received"] = sum(
+        boundary + (x if narrow and (item.kind == "x" and ("x", item.index) in kept_wide
+                                     or (item.index, item.kind) in kept_wide) else 0)
+        for item in program.incoming)
+    # What leaves besides what is kept anyway: the X_j made here that nothing saves, the
+    # partial sums; each a copy when the boundary's dtype is not the stream's.
+    sent_x = [item for item in program.outgoing if item.kind == "x"
+              and (first <= item.index or narrow) and (item.index not in held or narrow)]
+    terms["sent"] = (len(sent_x) + len(partial_out)) * boundary
+    # Each block's input: M_{i-1}'s streams, one storage formed from the buffer (C stream
+    # tensors); X_0 for block 1 (held); received sums as they came (block `first`); C
+    # separate sums (received + own terms), of which a block keeps those it normalises
+    # (not R under qkvr) and a checkpoint all (its input tuple).
+    inputs = 0
+    for i in range(first, last + 1):
+        if i == 1 or (i == first and received):
+            continue
+        if i - 1 in summed and mode == "none" and layout.streams == "qkvr":
+            inputs += 3 * x
+        else:
+            inputs += _input_bytes(layout, i, shape)
+    n_blocks = last - first + 1
+    block = block_bytes(model, shape)
+    if mode == "none":
+        terms["blocks"] = inputs + n_blocks * block
+    else:
+        terms["checkpoint_boundaries"] = inputs
+        terms["recompute_working_set"] = block
+    if program.is_last:  # Y_d, the stage's output, beside what the head keeps
+        terms["lm_head"] = shape.head - token_ids + x
+    return terms
+
+
+def mudd_rank_terms(model: DenseFormerConfig, shape, mode: str, programs: list,
+                    boundary_bytes: int, in_flight: int) -> dict[str, int]:
+    """Bytes on one pipeline rank under 1F1B: `in_flight` micro-batches of its stages
+    (`programs`), one micro-batch's terms summed over them shown as "/microbatch" (not
+    summed into the total again), and the largest recompute working set (as
+    attnres_memory.attnres_rank_terms)."""
+    per_term, working = {}, 0
+    for program in programs:
+        terms = mudd_stage_terms(model, shape, mode, program, boundary_bytes)
+        working = max(working, terms.pop("recompute_working_set", 0))
+        for name, value in terms.items():
+            per_term[name] = per_term.get(name, 0) + value
+    return {"in_flight_microbatches": in_flight,
+            "stages": in_flight * sum(per_term.values()),
+            **{f"{name}/microbatch": value for name, value in per_term.items()},
+            "recompute_working_set": working}
