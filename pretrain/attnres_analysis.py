@@ -142,12 +142,12 @@ def checkpoint_entry(step: int | None, path: Path, layout: AttnResLayout,
                      std: torch.Tensor) -> dict:
     """One checkpoint's record in attnres_stats.json (`mean`, `std`: its `weight_tables`)."""
     rows = consumer_stats(layout, record)
-    return {"step": step, "path": str(path), "mean": _json_table(mean),
-            "std": _json_table(std), "consumers": rows, "summary": summary(rows)}
+    return {"step": step, "path": str(path), "mean": json_table(mean),
+            "std": json_table(std), "consumers": rows, "summary": summary(rows)}
 
 
-def _json_table(table: torch.Tensor) -> list[list[float | None]]:
-    """A table as JSON can hold it: null for the cells a consumer does not read."""
+def json_table(table: torch.Tensor) -> list[list[float | None]]:
+    """A table as JSON can hold it: null for the cells a consumer (or stream) does not read."""
     return [[None if math.isnan(v) else v for v in row] for row in table.tolist()]
 
 
@@ -184,25 +184,32 @@ def data_of(source: Path, given: str | None) -> Path:
     return Path(data)
 
 
+def analyzed_models(args, model: torch.nn.Module, source: Path, step_of) -> list[tuple]:
+    """(step, path, model) of each checkpoint `analyze` reads: `source` alone (--checkpoint,
+    `model` its model), or every complete checkpoint of the run (--run); `step_of(path)`: a
+    checkpoint's step (None for an exported directory)."""
+    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
+    from pretrain.load import load_model
+
+    if args.checkpoint:
+        return [(step_of(source), source, model)]
+    models = []
+    for step, path in checkpoint.list_checkpoints(source / "checkpoints"):
+        try:
+            models.append((step, path, load_model(path, device="cpu")[0]))
+        except checkpoint.CheckpointError:
+            continue  # an incomplete checkpoint (a save that was cut short)
+    return models
+
+
 def analyze_attnres(args, model: torch.nn.Module, source: Path, step_of) -> int:
     """`analyze` of an AttnRes model: per checkpoint, the heatmaps of its depth weights over
     one validation batch (`step-XXXXXXXX.png`, `exported.png`) and attnres_stats.json.
     `model`: the model of `source` (--checkpoint) or of the run's latest checkpoint (--run);
     `step_of(path)`: a checkpoint's step (None for an exported directory)."""
-    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
-    from pretrain.load import load_model
-
     config, layout = model.config, model.config.attnres_layout
     tokens = validation_tokens(data_of(source, args.data), args.batch_size, config.seq_len)
-    if args.checkpoint:
-        models = [(step_of(source), source, model)]
-    else:
-        models = []
-        for step, path in checkpoint.list_checkpoints(source / "checkpoints"):
-            try:
-                models.append((step, path, load_model(path, device="cpu")[0]))
-            except checkpoint.CheckpointError:
-                continue  # an incomplete checkpoint (a save that was cut short)
+    models = analyzed_models(args, model, source, step_of)
     out, entries = Path(args.out), []
     for step, path, each in models:
         record = recorded_weights(each, tokens)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint
-from pretrain.attnres_analysis import data_of, validation_tokens
+from pretrain.attnres_analysis import analyzed_models, data_of, validation_tokens
 from pretrain.model.program import run_program
 
 STATS_FILE = "hc_stats.json"
@@ -91,22 +90,11 @@ def analyze_hc(args, model: torch.nn.Module, source: Path, step_of) -> int:
     (`step-XXXXXXXX.png`, `exported.png`) and hc_stats.json. `model`: the model of `source`
     (--checkpoint) or of the run's latest checkpoint (--run); `step_of(path)`: a
     checkpoint's step (None for an exported directory)."""
-    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
-    from pretrain.load import load_model
-
     config, layout = model.config, model.config.hc_layout
     dynamic = layout.dynamic
     tokens = validation_tokens(data_of(source, args.data), args.batch_size, config.seq_len) \
         if dynamic else None
-    if args.checkpoint:
-        models = [(step_of(source), source, model)]
-    else:
-        models = []
-        for step, path in checkpoint.list_checkpoints(source / "checkpoints"):
-            try:
-                models.append((step, path, load_model(path, device="cpu")[0]))
-            except checkpoint.CheckpointError:
-                continue  # an incomplete checkpoint (a save that was cut short)
+    models = analyzed_models(args, model, source, step_of)
     out, entries = Path(args.out), []
     for step, path, each in models:
         name = f"step-{step:08d}.png" if step is not None else "exported.png"

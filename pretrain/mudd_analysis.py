@@ -19,8 +19,13 @@ from pathlib import Path
 
 import torch
 
-from pretrain import checkpoint
-from pretrain.attnres_analysis import data_of, validation_tokens, write_attnres_heatmaps
+from pretrain.attnres_analysis import (
+    analyzed_models,
+    data_of,
+    json_table,
+    validation_tokens,
+    write_attnres_heatmaps,
+)
 from pretrain.model.mudd import MuddConnections
 from pretrain.model.mudd_program import STREAMS, MuddLayout
 from pretrain.model.program import run_program
@@ -70,28 +75,13 @@ def stream_tables(layout: MuddLayout, rows: list[dict], stream: str
     return mean, std
 
 
-def _json_table(table: torch.Tensor) -> list[list[float | None]]:
-    return [[None if math.isnan(v) else v for v in row] for row in table.tolist()]
-
-
 def analyze_mudd(args, model: torch.nn.Module, source: Path, step_of) -> int:
     """`analyze` of a MUDD model: per checkpoint and stream a heatmap of the mean weights
     and their spread over one validation batch (`step-XXXXXXXX-<stream>.png`,
     `exported-<stream>.png`), and mudd_stats.json. Arguments as `analyze_attnres`."""
-    # deferred: pulls in sentencepiece, torch (slow to start, or optional)
-    from pretrain.load import load_model
-
     config, layout = model.config, model.config.mudd_layout
     tokens = validation_tokens(data_of(source, args.data), args.batch_size, config.seq_len)
-    if args.checkpoint:
-        models = [(step_of(source), source, model)]
-    else:
-        models = []
-        for step, path in checkpoint.list_checkpoints(source / "checkpoints"):
-            try:
-                models.append((step, path, load_model(path, device="cpu")[0]))
-            except checkpoint.CheckpointError:
-                continue  # an incomplete checkpoint (a save that was cut short)
+    models = analyzed_models(args, model, source, step_of)
     out, entries = Path(args.out), []
     for step, path, each in models:
         rows = mix_stats(layout, recorded_weights(each, tokens))
@@ -102,8 +92,8 @@ def analyze_mudd(args, model: torch.nn.Module, source: Path, step_of) -> int:
             name = f"{stem}-{stream}.png"
             title = f"MUDD {stream} weights" + (f", step {step}" if step is not None else "")
             write_attnres_heatmaps(mean, std, step, out / name, title=title)
-            heatmaps[stream] = {"file": name, "mean": _json_table(mean),
-                                "std": _json_table(std)}
+            heatmaps[stream] = {"file": name, "mean": json_table(mean),
+                                "std": json_table(std)}
         entries.append({"step": step, "path": str(path), "mixes": rows,
                         "heatmaps": heatmaps,
                         "max_std": max(s for r in rows for s in r["std"])})
