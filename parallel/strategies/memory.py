@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
-from parallel.strategies.hc_memory import hc_activation_terms
+from parallel.strategies.hc_memory import hc_activation_terms, hc_rank_terms
 from parallel.strategies.mudd_memory import mudd_activation_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -411,6 +411,9 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     if model.attnres_layout is not None:
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
         return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
+    if model.hc_layout is not None:
+        programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
+        return hc_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream
@@ -462,9 +465,6 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
-    if p.pp > 1 and model.hc_layout is not None:
-        raise ValueError(f"parallel.pp: the memory estimate of Hyper-Connections covers one "
-                         f"pipeline stage (pp=1), not pp={p.pp}")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
