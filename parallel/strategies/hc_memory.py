@@ -1,6 +1,6 @@
 """What Hyper-Connections keep for backward, per activation-checkpointing mode: the
 activation terms of parallel/strategies/memory.py for `model.connection: hc` and `mhc` (the
-whole model, one pipeline stage).
+whole model, and each pipeline stage).
 
 Plain arithmetic over the layout (pretrain/model/hc_program.py: sub-layers c = 1..L, L = 2d,
 X_{c-1} the n-stream state (T, n, H) that sub-layer c reads, X_0 the embedding expanded into
@@ -39,8 +39,18 @@ outside the units but the output sum. Recomputing a unit holds its sub-layers' m
 branches and the 2n - 1 states it makes before its last (the first unit's mHC also the
 flattened copy of X_0).
 
+A pipeline stage (`hc_stage_terms`: blocks first..last, sub-layers 2 first - 1 .. 2 last,
+the program of hc_program.py run by parallel/strategies/stage_model.py) keeps per micro-batch
+the state it receives, X_{2 first - 2} (n stream tensors in the boundary's dtype, and its
+copy widened to the stream's dtype when that is wider: the first sub-layer saves it), or on
+the first stage X_0 and the token ids; the states X_{2 first - 1} .. X_{2 last - 1}; its
+sub-layers' mixes and branches as above, except that with `block` (the pipeline checkpoints
+each branch, `StageModule._checkpointed`: the mixes stay outside) only each branch's input
+and output and one branch's recomputation; the state it sends, X_{2 last}, in the boundary's
+dtype; on the last stage the head and Y_d, its output.
+
 Checked against the autograd probe (parallel/strategies/memory_probe.py) in
-tests/test_memory_hc.py.
+tests/test_memory_hc.py, the whole model and each pipeline stage.
 """
 
 from __future__ import annotations
