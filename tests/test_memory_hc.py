@@ -102,16 +102,29 @@ def test_estimate_at_pp2_gives_each_rank_its_stage():
 
     cfg = hc_config("hc")
     parallel = dataclasses.replace(cfg.parallel, pp=2, microbatches=4)
-    ranks = estimate(parallel, cfg.model, cfg.train.batch_size, "fp32", 2, "cpu")
+    ranks = estimate(parallel, cfg.model, 8, "fp32", 2, "cpu")  # micro-batches of 2
     assert [r.pp_rank for r in ranks] == [0, 1]
     first, last = (r.activations for r in ranks)
     assert (first["in_flight_microbatches"], last["in_flight_microbatches"]) == (2, 1)
-    micro_batch = cfg.train.batch_size // 4
-    state = cfg.model.hc_layout.streams * micro_batch * cfg.model.seq_len * cfg.model.d_model * 4
-    assert first["sent/microbatch"] == last["received/microbatch"] == state
+    state = cfg.model.hc_layout.streams * 2 * cfg.model.seq_len * cfg.model.d_model * 4
+    assert first["sent/microbatch"] == last["received/microbatch"] == state > 0
     assert "lm_head/microbatch" in last and "lm_head/microbatch" not in first
     assert first["stages"] == 2 * sum(v for k, v in first.items() if k.endswith("/microbatch"))
     assert all(r.activation_bytes > 0 for r in ranks)
+    # `parallel.microbatches: auto` fits an HC model at pp > 1 (it was refused before)
+    from parallel.strategies.microbatch_fit import (
+        Batch,
+        estimated_peak,
+        fit_microbatches,
+        with_microbatches,
+    )
+
+    batch = Batch(8, "fp32")
+    peaks = {m: estimated_peak(with_microbatches(parallel, m), cfg.model, batch, 2)
+             for m in (2, 4)}
+    assert peaks[2] > peaks[4]
+    free = int((peaks[2] + peaks[4]) / 2 / 0.85)
+    assert fit_microbatches(parallel, cfg.model, batch, 2, free) == (4, peaks[4])
 
 
 def test_checkpointing_modes_order_for_hc():
