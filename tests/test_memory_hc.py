@@ -9,8 +9,8 @@ autocast within 1% (the weight copies exactly: the mixes cast nothing). Pipeline
 (`measure_stage` on each stage of a plan chained in one process): every stage of PP = 2 and
 3, static and dynamic HC and mHC, gpt and llama blocks, equal to its rank's estimate with
 one micro-batch in flight to the byte in fp32 with `none` and `block`; interleaved stages
-summed per rank; a bf16 boundary under autocast within 1% (the states, mixes and the sent
-and received states to the byte; CPU autocast's small fp32 tensor a block more)."""
+summed per rank; TP = 2 x PP = 2 with and without sequence parallelism to the byte; a bf16
+boundary under autocast within 1% (CPU autocast's small fp32 tensor a block more)."""
 
 from __future__ import annotations
 
@@ -227,10 +227,11 @@ STAGE_CASES = {  # name -> (variant, blocks, pp)
 FAST_STAGES = {("hc-pp2", "block"), ("mhc-pp3", "none")}
 
 
-def hc_stage_config(case: str, mode: str, *extra: str):
+def hc_stage_config(case: str, mode: str, *extra: str, tp: int = 1):
     name, blocks, pp = STAGE_CASES[case]
     return config(f"model.n_layers={blocks}", *VARIANTS[name], f"parallel.pp={pp}",
-                  f"parallel.activation_checkpointing={mode}", *extra, world_size=pp)
+                  f"parallel.activation_checkpointing={mode}", f"parallel.tp={tp}", *extra,
+                  world_size=tp * pp)
 
 
 @pytest.mark.parametrize("case,mode", [
@@ -293,3 +294,34 @@ def test_pipeline_stages_with_a_bf16_boundary_under_autocast(case):
             assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
             assert 0 <= report.total_bytes - estimate.activation_bytes <= \
                 0.01 * report.total_bytes, (case, mode, rank)
+
+
+def tp_stage_cases() -> dict:
+    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
+    from tests.test_memory_attnres import measured_stages
+
+    out = {}
+    for case in ("hc-pp2", "mhc-pp2"):
+        for sp in (False, True):
+            for mode in ("none", "block"):
+                cfg = hc_stage_config(case, mode,
+                                      f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+                out[(case, sp, mode)] = [r.total_bytes for r in measured_stages(cfg)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
+    """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): the state and
+    the mixes on the whole sequence on every TP rank without SP, on this rank's slice with
+    it."""
+    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=180)[0]
+    diffs = {}
+    for (case, sp, mode), totals in measured.items():
+        cfg = hc_stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}",
+                              tp=2)
+        for pp_rank, total in enumerate(totals):
+            diffs[(case, sp, mode, pp_rank)] = total - estimated(
+                cfg, 2 * cfg.parallel.pp, 2 * pp_rank).activation_bytes
+    assert all(d == 0 for d in diffs.values()), diffs
