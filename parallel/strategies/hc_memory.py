@@ -1,6 +1,6 @@
 """What Hyper-Connections keep for backward, per activation-checkpointing mode: the
 activation terms of parallel/strategies/memory.py for `model.connection: hc` and `mhc` (the
-whole model, one pipeline stage).
+whole model, and each pipeline stage).
 
 Plain arithmetic over the layout (pretrain/model/hc_program.py: sub-layers c = 1..L, L = 2d,
 X_{c-1} the n-stream state (T, n, H) that sub-layer c reads, X_0 the embedding expanded into
@@ -39,8 +39,18 @@ outside the units but the output sum. Recomputing a unit holds its sub-layers' m
 branches and the 2n - 1 states it makes before its last (the first unit's mHC also the
 flattened copy of X_0).
 
+A pipeline stage (`hc_stage_terms`: blocks first..last, sub-layers 2 first - 1 .. 2 last,
+the program of hc_program.py run by parallel/strategies/stage_model.py) keeps per micro-batch
+the state it receives, X_{2 first - 2} (n stream tensors in the boundary's dtype, and its
+copy widened to the stream's dtype when that is wider: the first sub-layer saves it), or on
+the first stage X_0 and the token ids; the states X_{2 first - 1} .. X_{2 last - 1}; its
+sub-layers' mixes and branches as above, except that with `block` (the pipeline checkpoints
+each branch, `StageModule._checkpointed`: the mixes stay outside) only each branch's input
+and output and one branch's recomputation; the state it sends, X_{2 last}, in the boundary's
+dtype; on the last stage the head and Y_d, its output.
+
 Checked against the autograd probe (parallel/strategies/memory_probe.py) in
-tests/test_memory_hc.py.
+tests/test_memory_hc.py, the whole model and each pipeline stage.
 """
 
 from __future__ import annotations
@@ -105,3 +115,63 @@ def hc_activation_terms(model: DenseFormerConfig, shape, mode: str,
     terms["hc_held"] = held
     terms["recompute_working_set"] = working
     return terms
+
+
+def hc_stage_terms(model: DenseFormerConfig, shape, mode: str, program,
+                   boundary_bytes: int) -> dict[str, int]:
+    """Bytes of one micro-batch on one pipeline stage, by term (module docstring); `program`
+    its StageProgram (hc_program.py), `boundary_bytes` the element size of the state that
+    crosses a boundary (parallel.pipeline_dtype). `mode`: `none` or `block` (each branch a
+    checkpoint, `StageModule._checkpointed`)."""
+    layout = model.hc_layout
+    lo, hi = 2 * program.first - 1, 2 * program.last
+    subs = range(lo, hi + 1)
+    tokens = shape.tokens // shape.seq_split
+    terms = {}
+    token_ids = 8 * shape.micro_batch * (shape.seq + 1)
+    if program.is_first:
+        # The loaded (B, S + 1) batch that the embedding's ids are a view of; under TP the
+        # vocabulary-parallel embedding also saves its shifted ids (int64) and the mask of
+        # ids outside this rank's shard (bool). `shape.head` counts them for the whole model.
+        terms["token_ids"] = token_ids + (9 * shape.tokens if shape.tp > 1 else 0)
+    else:
+        # X_{lo-1} as it crossed, and widened to the stream's dtype on receipt where that is
+        # wider (the widened copy is the state the stage's first sub-layer saves).
+        state = layout.streams * tokens * shape.hidden
+        terms["received"] = state * boundary_bytes + (
+            layout.streams * shape.stream_tensor if boundary_bytes != shape.precision.stream
+            else 0)
+    # The states the stage's sub-layers read but the received one.
+    terms["hc_held"] = sum(state_bytes(layout, c - 1, shape) for c in subs
+                           if program.is_first or c > lo)
+    terms["hc_mixes"] = sum(mix_bytes(layout, c, shape) for c in subs)
+    if mode == "none":
+        terms["blocks"] = sum(sublayer_bytes(model, shape, c) for c in subs)
+    else:  # each branch's input h_c (the checkpoint's) and output T_c(h_c) (the write's)
+        terms["checkpoint_boundaries"] = len(subs) * 2 * shape.stream_tensor
+        terms["recompute_working_set"] = max(sublayer_bytes(model, shape, c)
+                                             for c in (1, 2)) - 2 * shape.stream_tensor
+    if program.is_last:
+        # Y_d, the stage's output, which the schedule holds until its backward, besides
+        # what the head keeps.
+        terms["lm_head"] = shape.head - token_ids + shape.stream_tensor
+    else:  # X_hi in the boundary's dtype (nothing on this stage keeps it otherwise)
+        terms["sent"] = layout.streams * tokens * shape.hidden * boundary_bytes
+    return terms
+
+
+def hc_rank_terms(model: DenseFormerConfig, shape, mode: str, programs: list,
+                  boundary_bytes: int, in_flight: int) -> dict[str, int]:
+    """Bytes on one pipeline rank under 1F1B: `in_flight` micro-batches of its stages
+    (`programs`), one micro-batch's terms summed over them shown as "/microbatch" (not
+    summed into the total again), and the largest recompute working set."""
+    per_term, working = {}, 0
+    for program in programs:
+        terms = hc_stage_terms(model, shape, mode, program, boundary_bytes)
+        working = max(working, terms.pop("recompute_working_set", 0))
+        for name, value in terms.items():
+            per_term[name] = per_term.get(name, 0) + value
+    return {"in_flight_microbatches": in_flight,
+            "stages": in_flight * sum(per_term.values()),
+            **{f"{name}/microbatch": value for name, value in per_term.items()},
+            "recompute_working_set": working}

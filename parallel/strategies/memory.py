@@ -27,9 +27,10 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   the X_j kept beside it, the dynamic mixes' saved state and the blocks'
   (parallel/strategies/mudd_memory.py); per pipeline stage the buffer's slots 0..last and
   the raw X_j or static partial sums it receives and sends.
-- for Hyper-Connections (`model.connection: hc` or `mhc`, one pipeline stage) the n-stream
-  states kept (every sub-layer's input state, or the checkpoint units'), the per-token
-  weights the mixes save and the sub-layers' branches (parallel/strategies/hc_memory.py).
+- for Hyper-Connections (`model.connection: hc` or `mhc`) the n-stream states kept (every
+  sub-layer's input state, or the checkpoint units'), the per-token weights the mixes save
+  and the sub-layers' branches (parallel/strategies/hc_memory.py); per pipeline stage the
+  one state it receives and sends.
 - under bf16 autocast, the bf16 copies of the block weights that autocast caches for the
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
@@ -72,7 +73,7 @@ from dataclasses import dataclass, field
 
 from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
 from parallel.strategies.config import ParallelSection
-from parallel.strategies.hc_memory import hc_activation_terms
+from parallel.strategies.hc_memory import hc_activation_terms, hc_rank_terms
 from parallel.strategies.mudd_memory import mudd_activation_terms, mudd_rank_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
@@ -411,12 +412,11 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
-    if model.mudd_layout is not None:
+    rank_terms = {"attnres": attnres_rank_terms, "mudd": mudd_rank_terms, "hc": hc_rank_terms,
+                  "mhc": hc_rank_terms}.get(model.depth_connection)
+    if rank_terms is not None:  # the other connections' own terms, per stage of the rank
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
-        return mudd_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
-    if model.attnres_layout is not None:
-        programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
-        return attnres_rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
+        return rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream
@@ -468,9 +468,6 @@ def estimate(parallel: ParallelSection, model: DenseFormerConfig, batch_size: in
         sequence_parallel=p.sequence_parallel, precision=precision)
     mode, every = p.activation_checkpointing, p.checkpoint_every
     plan = None
-    if p.pp > 1 and model.hc_layout is not None:
-        raise ValueError(f"parallel.pp: the memory estimate of Hyper-Connections covers one "
-                         f"pipeline stage (pp=1), not pp={p.pp}")
     if p.pp > 1:
         plan = build_plan(model, p.pp, p.virtual_stages, p.pp_split, p.pp_transfer)
     ranks = []
