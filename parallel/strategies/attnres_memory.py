@@ -267,20 +267,3 @@ def attnres_stage_terms(model: DenseFormerConfig, shape: ActivationShape, mode: 
         # what the head keeps.
         terms["lm_head"] = shape.head - token_ids + shape.stream_tensor
     return terms
-
-
-def attnres_rank_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
-                       programs: list, boundary_bytes: int, in_flight: int) -> dict[str, int]:
-    """Bytes on one pipeline rank under 1F1B: `in_flight` micro-batches of its stages
-    (`programs`), one micro-batch's terms summed over them shown as "/microbatch" (not
-    summed into the total again), and the largest recompute working set."""
-    per_term, working = {}, 0
-    for program in programs:
-        terms = attnres_stage_terms(model, shape, mode, program, boundary_bytes)
-        working = max(working, terms.pop("recompute_working_set", 0))
-        for name, value in terms.items():
-            per_term[name] = per_term.get(name, 0) + value
-    return {"in_flight_microbatches": in_flight,
-            "stages": in_flight * sum(per_term.values()),
-            **{f"{name}/microbatch": value for name, value in per_term.items()},
-            "recompute_working_set": working}

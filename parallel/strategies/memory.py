@@ -71,10 +71,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_rank_terms
+from parallel.strategies.attnres_memory import attnres_activation_terms, attnres_stage_terms
 from parallel.strategies.config import ParallelSection
-from parallel.strategies.hc_memory import hc_activation_terms, hc_rank_terms
-from parallel.strategies.mudd_memory import mudd_activation_terms, mudd_rank_terms
+from parallel.strategies.hc_memory import hc_activation_terms, hc_stage_terms
+from parallel.strategies.mudd_memory import mudd_activation_terms, mudd_stage_terms
 from parallel.strategies.plan import (
     boundary_dtype_bytes,
     build_plan,
@@ -402,6 +402,24 @@ def activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str
     return terms
 
 
+def rank_terms(stage_terms, model: DenseFormerConfig, shape: ActivationShape, mode: str,
+               programs: list, boundary_bytes: int, in_flight: int) -> dict[str, int]:
+    """Bytes on one pipeline rank under 1F1B for a connection with its own `stage_terms`
+    (attnres_memory.py, mudd_memory.py, hc_memory.py): `in_flight` micro-batches of its
+    stages (`programs`), one micro-batch's terms summed over them shown as "/microbatch" (not
+    summed into the total again), and the largest recompute working set."""
+    per_term, working = {}, 0
+    for program in programs:
+        terms = stage_terms(model, shape, mode, program, boundary_bytes)
+        working = max(working, terms.pop("recompute_working_set", 0))
+        for name, value in terms.items():
+            per_term[name] = per_term.get(name, 0) + value
+    return {"in_flight_microbatches": in_flight,
+            "stages": in_flight * sum(per_term.values()),
+            **{f"{name}/microbatch": value for name, value in per_term.items()},
+            "recompute_working_set": working}
+
+
 def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, mode: str,
                               every: int, pp: int, pp_rank: int, microbatches: int,
                               plan, boundary_bytes: int = FP32) -> dict[str, int]:
@@ -412,11 +430,11 @@ def pipeline_activation_terms(model: DenseFormerConfig, shape: ActivationShape, 
     (`boundary_bytes`: bf16 under parallel.pipeline_dtype compute) is held twice: as
     received, and widened to the stream dtype."""
     in_flight = min(pp - pp_rank, microbatches)
-    rank_terms = {"attnres": attnres_rank_terms, "mudd": mudd_rank_terms, "hc": hc_rank_terms,
-                  "mhc": hc_rank_terms}.get(model.depth_connection)
-    if rank_terms is not None:  # the other connections' own terms, per stage of the rank
+    stage_terms = {"attnres": attnres_stage_terms, "mudd": mudd_stage_terms,
+                   "hc": hc_stage_terms, "mhc": hc_stage_terms}.get(model.depth_connection)
+    if stage_terms is not None:  # the other connections' own terms, per stage of the rank
         programs = [plan.programs[s] for s in plan.stages_of_rank(pp_rank)]
-        return rank_terms(model, shape, mode, programs, boundary_bytes, in_flight)
+        return rank_terms(stage_terms, model, shape, mode, programs, boundary_bytes, in_flight)
     received = shape.stream_tensor
     if boundary_bytes != shape.precision.stream:
         received += shape.stream_tensor * boundary_bytes // shape.precision.stream

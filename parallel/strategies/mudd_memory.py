@@ -223,21 +223,3 @@ def mudd_stage_terms(model: DenseFormerConfig, shape, mode: str, program,
     if program.is_last:  # Y_d, the stage's output, beside what the head keeps
         terms["lm_head"] = shape.head - token_ids + x
     return terms
-
-
-def mudd_rank_terms(model: DenseFormerConfig, shape, mode: str, programs: list,
-                    boundary_bytes: int, in_flight: int) -> dict[str, int]:
-    """Bytes on one pipeline rank under 1F1B: `in_flight` micro-batches of its stages
-    (`programs`), one micro-batch's terms summed over them shown as "/microbatch" (not
-    summed into the total again), and the largest recompute working set (as
-    attnres_memory.attnres_rank_terms)."""
-    per_term, working = {}, 0
-    for program in programs:
-        terms = mudd_stage_terms(model, shape, mode, program, boundary_bytes)
-        working = max(working, terms.pop("recompute_working_set", 0))
-        for name, value in terms.items():
-            per_term[name] = per_term.get(name, 0) + value
-    return {"in_flight_microbatches": in_flight,
-            "stages": in_flight * sum(per_term.values()),
-            **{f"{name}/microbatch": value for name, value in per_term.items()},
-            "recompute_working_set": working}
