@@ -17,6 +17,14 @@ from tests.tiers import pytest_collection_modifyitems, pytest_runtest_call, pyte
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionstart(session):
+    """Build (or find) and load Hyper-Connections' CPU kernels before any test runs: the
+    build starts the C compiler, which a fast-tier test may not do (tests/tiers.py)."""
+    from pretrain.model import hc_native
+
+    hc_native.lib()
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small dataset (demo corpus text, vocab 512, seq_len 32) written by data_pipeline."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pretrain.model.hc_mix import hc_dynamic, mhc_weights, no_autocast, read, streams, write
+from pretrain.model.hc_mix import (GradSlot, hc_dynamic, mhc_weights, no_autocast, read, streams,
+                                   write)
 from pretrain.model.hc_program import HCLayout
 from pretrain.model.program import Source, Step
 
@@ -94,23 +95,31 @@ class HCConnections:
     def __init__(self, layout: HCLayout, params: dict[str, torch.Tensor], eps: float,
                  record: dict | None = None):
         self.layout, self.params, self.eps, self.record = layout, params, eps, record
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[int, tuple] = {}
 
     def hold(self, j: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if j == 0:  # the embedding: copied into the n streams
             x = streams(x, self.layout.streams)
         return x, x
 
-    def weights(self, c: int, state: torch.Tensor):
+    def slot(self) -> GradSlot | None:
+        """A sub-layer's `GradSlot` (None under torch.compile): the projection returns the
+        summed gradient of X where there is one (dynamic HC, mHC), else the read."""
+        if torch.compiler.is_compiling():
+            return None
+        projected = self.layout.kind == "mhc" or self.layout.dynamic
+        return GradSlot("project" if projected else "read")
+
+    def weights(self, c: int, state: torch.Tensor, slot: GradSlot | None = None):
         """Sub-layer c's (pre, mix, post) for the state X_{c-1}."""
         p, row = self.params, c - 1
         if self.layout.kind == "mhc":
             return mhc_weights(state, p["mhc_proj"][row], p["mhc_scale"][row],
-                               p["mhc_bias"][row], self.eps, self.layout.sinkhorn_iters)
+                               p["mhc_bias"][row], self.eps, self.layout.sinkhorn_iters, slot)
         pre, res, post = p["hc_pre"][row], p["hc_res"][row], p["hc_post"][row]
         if self.layout.dynamic:
             pre, res, post = hc_dynamic(state, p["hc_proj"][row], p["hc_scale"][row], pre,
-                                        res, post, self.eps)
+                                        res, post, self.eps, slot)
         return pre, res.mT, post  # X'[k] = sum_l Ar[l, k] X[l]
 
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
@@ -118,13 +127,14 @@ class HCConnections:
         with no_autocast(state):
             if c == self.layout.n_sublayers + 1:  # the model output
                 return state.sum(-2)
-            pre, mix, post = self.weights(c, state)
+            slot = self.slot()
+            pre, mix, post = self.weights(c, state, slot)
             if self.record is not None:
                 self.record[c] = tuple(w.detach() for w in (pre, mix, post))
-            self.pending[c] = (mix, post)
-            return read(pre, state)
+            self.pending[c] = (mix, post, slot)
+            return read(pre, state, slot)
 
     def write(self, step: Step, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        mix, post = self.pending.pop(step.out)
+        mix, post, slot = self.pending.pop(step.out)
         with no_autocast(state):
-            return write(mix, post, state, out)
+            return write(mix, post, state, out, slot)

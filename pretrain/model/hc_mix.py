@@ -20,6 +20,8 @@ import contextlib
 
 import torch
 
+from pretrain.model import hc_native
+
 
 def no_autocast(x: torch.Tensor):
     """A context with autocast off on x's device type."""
@@ -44,32 +46,84 @@ def _per_token(weights: torch.Tensor, state: torch.Tensor, dims: int) -> torch.T
     return weights.reshape(tokens, *shape).contiguous()  # bmm of strided batches is slow
 
 
+class GradSlot:
+    """The gradient of one state X_{c-1}, summed in place by sub-layer c's functions: its
+    write's backward runs first (the branch output's gradient comes from it) and starts the
+    sum, its read's and its projection's add to it, and the last of them in backward order
+    (`last`: "read" for static HC, else "project") returns it; the others return None for X.
+    One buffer instead of autograd's sum of three (two more passes over the state); None as
+    a slot (under torch.compile, which should see no Python state) gives the plain sum."""
+
+    def __init__(self, last: str):
+        self.last, self.grad = last, None
+
+    def add(self, who: str, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Keep `grad` (the sum so far, updated in place) and return what `who` returns for X."""
+        self.grad = grad
+        if who != self.last:
+            return None
+        self.grad = None
+        return grad
+
+
+def _sum_so_far(slot: GradSlot | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The slot's gradient so far, viewed as `like` (None if there is none yet)."""
+    if slot is None or slot.grad is None:
+        return None
+    return slot.grad.view(like.shape)
+
+
+def _returned(slot: GradSlot | None, who: str, grad: torch.Tensor | None):
+    return grad if slot is None else slot.add(who, grad)
+
+
 class _Read(torch.autograd.Function):
     """h = pre X per token: pre (T, n), X (T, n, H) -> (T, H). Backward: dX = pre^T dh (an
-    outer product per token), dpre = X dh; saves pre and X (which the program holds)."""
+    outer product per token, added to the slot's sum), dpre = X dh; saves pre and X (which
+    the program holds). On the CPU the fused kernels (hc_native.py) do each direction in
+    one pass over X."""
 
     @staticmethod
-    def forward(ctx, pre: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, pre: torch.Tensor, flat: torch.Tensor, slot: GradSlot | None):
+        ctx.slot = slot
         ctx.save_for_backward(pre, flat)
+        if hc_native.usable(pre, flat):
+            h = flat.new_empty(flat.shape[0], flat.shape[2])
+            hc_native.call("hc_read", *flat.shape, pre, flat, h)
+            return h
         return torch.bmm(pre.unsqueeze(1), flat).squeeze(1)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
         pre, flat = ctx.saved_tensors
         dh = dh.contiguous()
-        dflat = torch.bmm(pre.unsqueeze(2), dh.unsqueeze(1)) if ctx.needs_input_grad[1] else None
-        dpre = torch.bmm(flat, dh.unsqueeze(2)).squeeze(2) if ctx.needs_input_grad[0] else None
-        return dpre, dflat
+        dflat = _sum_so_far(ctx.slot, flat)
+        if hc_native.usable(pre, flat, dh):
+            dpre = torch.empty_like(pre)
+            add = dflat is not None
+            dflat = dflat if add else torch.empty_like(flat)
+            hc_native.call("hc_read_backward", *flat.shape, pre, flat, dh, dflat, dpre, int(add))
+        else:
+            dpre = torch.bmm(flat, dh.unsqueeze(2)).squeeze(2)
+            outer = (pre.unsqueeze(2), dh.unsqueeze(1))
+            dflat = torch.bmm(*outer) if dflat is None else dflat.baddbmm_(*outer)
+        return dpre, _returned(ctx.slot, "read", dflat), None
 
 
 class _Write(torch.autograd.Function):
     """Y = M X + post out^T per token: M (T, n, n), X (T, n, H), post (T, n), out (T, H) ->
-    (T, n, H). Backward: dX = M^T dY, dM = dY X^T, dpost = dY out, dout = post^T dY (four
-    batched products); saves the inputs (X held by the program, out by the branch)."""
+    (T, n, H). Backward: dX = M^T dY (which starts the slot's sum), dM = dY X^T,
+    dpost = dY out, dout = post^T dY (four batched products, or on the CPU one pass of the
+    fused kernel); saves the inputs (X held by the program, out by the branch)."""
 
     @staticmethod
-    def forward(ctx, mix, flat, post, out):
+    def forward(ctx, mix, flat, post, out, slot: GradSlot | None):
+        ctx.slot = slot
         ctx.save_for_backward(mix, flat, post, out)
+        if hc_native.usable(mix, flat, post, out):
+            y = torch.empty_like(flat)
+            hc_native.call("hc_write", *flat.shape, mix, flat, post, out, y)
+            return y
         y = torch.bmm(mix, flat)
         return y.addcmul_(post.unsqueeze(2), out.unsqueeze(1))
 
@@ -77,33 +131,37 @@ class _Write(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         mix, flat, post, out = ctx.saved_tensors
         dy = dy.contiguous()
-        need = ctx.needs_input_grad
-        dmix = torch.bmm(dy, flat.transpose(1, 2)) if need[0] else None
-        dflat = torch.bmm(mix.transpose(1, 2), dy) if need[1] else None
-        dpost = torch.bmm(dy, out.unsqueeze(2)).squeeze(2) if need[2] else None
-        dout = torch.bmm(post.unsqueeze(1), dy).squeeze(1) if need[3] else None
-        return dmix, dflat, dpost, dout
+        if hc_native.usable(mix, flat, post, out, dy):
+            dmix, dflat, dpost, dout = (torch.empty_like(t) for t in (mix, flat, post, out))
+            hc_native.call("hc_write_backward", *flat.shape, mix, flat, post, out, dy,
+                           dflat, dmix, dpost, dout)
+        else:
+            dmix = torch.bmm(dy, flat.transpose(1, 2))
+            dflat = torch.bmm(mix.transpose(1, 2), dy)
+            dpost = torch.bmm(dy, out.unsqueeze(2)).squeeze(2)
+            dout = torch.bmm(post.unsqueeze(1), dy).squeeze(1)
+        return dmix, _returned(ctx.slot, "write", dflat), dpost, dout, None
 
 
-def read(pre: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def read(pre: torch.Tensor, state: torch.Tensor, slot: GradSlot | None = None) -> torch.Tensor:
     """h = sum_k pre[k] X[k]: pre (n,) or (..., n), state (..., n, H) -> (..., H)."""
-    flat = state.reshape(-1, *state.shape[-2:])
-    h = _Read.apply(_per_token(pre, state, 1), flat)
+    flat = state.reshape(-1, *state.shape[-2:]).contiguous()
+    h = _Read.apply(_per_token(pre, state, 1), flat, slot)
     return h.view(*state.shape[:-2], state.shape[-1])
 
 
-def write(mix: torch.Tensor, post: torch.Tensor, state: torch.Tensor, out: torch.Tensor
-          ) -> torch.Tensor:
+def write(mix: torch.Tensor, post: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
+          slot: GradSlot | None = None) -> torch.Tensor:
     """X'[k] = sum_l mix[k, l] X[l] + post[k] out: mix (n, n) or (..., n, n), post (n,) or
     (..., n), state (..., n, H), out (..., H) -> (..., n, H) in the state's dtype."""
-    flat = state.reshape(-1, *state.shape[-2:])
-    out = out.to(state.dtype).reshape(-1, state.shape[-1])
-    y = _Write.apply(_per_token(mix, state, 2), flat, _per_token(post, state, 1), out)
+    flat = state.reshape(-1, *state.shape[-2:]).contiguous()
+    out = out.to(state.dtype).reshape(-1, state.shape[-1]).contiguous()
+    y = _Write.apply(_per_token(mix, state, 2), flat, _per_token(post, state, 1), out, slot)
     return y.view(state.shape)
 
 
 def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre: torch.Tensor,
-               res: torch.Tensor, post: torch.Tensor, eps: float):
+               res: torch.Tensor, post: torch.Tensor, eps: float, slot: GradSlot | None = None):
     """Dynamic HC's (pre (..., n), Ar (..., n, n), B (..., n)) for the state (..., n, H):
     with Xn[l] = X[l] / rms(X[l]) and z = tanh(Xn proj) (..., n, n + 2),
 
@@ -111,7 +169,7 @@ def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre
         B[l] = B_static[l] + s_b z[l, n + 1]      (scale = (s_a, s_b))."""
     n = state.shape[-2]
     dtype = state.dtype
-    z = torch.tanh(_rms_projection(state, proj.to(dtype), eps))  # (..., n, n + 2)
+    z = torch.tanh(_RMSProjection.apply(state, proj.to(dtype), eps, slot))  # (..., n, n + 2)
     s = scale.to(dtype)
     gains = torch.cat([s[:1].expand(n + 1), s[1:]])
     z = z * gains
@@ -122,14 +180,22 @@ def hc_dynamic(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor, pre
 class _RMSProjection(torch.autograd.Function):
     """z = (x proj) r, r = 1 / sqrt(mean(x^2) + eps) over x's last dim: RMSNorm(x) proj
     without a norm weight, the normalised x (as large as the state) never made. Backward:
-    with gy = dz r, dproj = x^T gy and dx = gy proj^T - (sum(dz (x proj)) r^3 / H) x: one
-    product and one multiply-add over x. Saves x (held by the program) and (T, m) tensors."""
+    with gy = dz r, dproj = x^T gy and dx = gy proj^T - (sum(dz (x proj)) r^3 / H) x (added
+    to the slot's sum). On the CPU one fused kernel (hc_native.py) does each direction in
+    one pass over x. Saves x (held by the program) and (T, m) tensors."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, proj: torch.Tensor, eps: float, slot: GradSlot | None):
+        ctx.slot = slot
         flat = x.reshape(-1, x.shape[-1])
-        y = flat @ proj
-        r = torch.rsqrt(torch.linalg.vecdot(flat, flat) / flat.shape[-1] + eps).unsqueeze(1)
+        if hc_native.usable(flat, proj):
+            flat = flat.contiguous()
+            y, sumsq = flat.new_empty(flat.shape[0], proj.shape[1]), flat.new_empty(len(flat))
+            hc_native.call("hc_rms_project", *flat.shape, proj.shape[1], flat,
+                           proj.T.contiguous(), y, sumsq)
+        else:
+            y, sumsq = flat @ proj, torch.linalg.vecdot(flat, flat)
+        r = torch.rsqrt(sumsq / flat.shape[-1] + eps).unsqueeze(1)
         ctx.save_for_backward(x, proj, y, r)
         return (y * r).view(*x.shape[:-1], proj.shape[-1])
 
@@ -137,23 +203,28 @@ class _RMSProjection(torch.autograd.Function):
     def backward(ctx, dz: torch.Tensor):
         x, proj, y, r = ctx.saved_tensors
         flat = x.reshape(-1, x.shape[-1])
-        dz = dz.reshape(y.shape)
-        gy = dz * r
-        dproj = flat.T @ gy if ctx.needs_input_grad[1] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
+        dz = dz.reshape(y.shape).contiguous()
+        dx = _sum_so_far(ctx.slot, flat)
+        if hc_native.usable(flat, proj, dz):
+            flat = flat.contiguous()
+            add = dx is not None
+            dx = dx if add else torch.empty_like(flat)
+            dprojT = proj.new_empty(proj.shape[1], proj.shape[0])
+            hc_native.call("hc_rms_project_backward", *flat.shape, proj.shape[1], flat,
+                           proj.T.contiguous(), dz, y, r, dx, dprojT, int(add))
+            dproj = dprojT.T
+        else:
+            gy = dz * r
+            dproj = flat.T @ gy
             coef = -(dz * y).sum(1, keepdim=True) * (r * r * r) / flat.shape[-1]
-            dx = torch.addmm(flat * coef, gy, proj.T).view(x.shape)
-        return dx, dproj, None
-
-
-def _rms_projection(x: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(x) proj over x's last dim (no norm weight), (..., m)."""
-    return _RMSProjection.apply(x, proj, eps)
+            dx = torch.addmm(flat * coef, gy, proj.T) if dx is None else \
+                dx.addmm_(gy, proj.T).add_(flat * coef)
+        dx = _returned(ctx.slot, "project", dx)
+        return (None if dx is None else dx.view(x.shape)), dproj, None, None
 
 
 def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor, eps: float, iters: int):
+                bias: torch.Tensor, eps: float, iters: int, slot: GradSlot | None = None):
     """mHC's (H_pre (..., n), H_res (..., n, n), H_post (..., n)) for the state (..., n, H):
     x = RMSNorm(flatten(X)) (..., n H), z = x proj (..., n^2 + 2n) laid out [pre | post |
     res (row-major, [k, l])], scale = (a_pre, a_post, a_res):
@@ -162,7 +233,7 @@ def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
         H_res = Sinkhorn(a_res z_res + b_res)."""
     n = state.shape[-2]
     dtype = state.dtype
-    z = _rms_projection(state.flatten(-2), proj.to(dtype), eps)
+    z = _RMSProjection.apply(state.flatten(-2), proj.to(dtype), eps, slot)
     s = scale.to(dtype)
     gains = torch.cat([s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)])
     logits = torch.addcmul(bias.to(dtype), z, gains)
@@ -194,25 +265,42 @@ def _token_major(m: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class _Sinkhorn(torch.autograd.Function):
     """Saves the logits only; the backward recomputes the iterates and runs their chain
-    rule in reverse (y = x / sum x: dx = (dy - sum(dy y)) / sum x), in fp32 at least."""
+    rule in reverse (y = x / sum x: dx = (dy - sum(dy y)) / sum x), in fp32 at least. On
+    the CPU the fused kernels (hc_native.py) run each token's iterations in registers."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int) -> torch.Tensor:
         ctx.iters = iters
         ctx.save_for_backward(logits)
+        if hc_native.usable(logits):
+            return _native_sinkhorn("hc_sinkhorn", iters, logits.contiguous())
         with no_autocast(logits):
             return _token_major(_iterates(logits, iters)[-1], logits)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (logits,) = ctx.saved_tensors
+        grad = grad.to(logits.dtype)
+        if hc_native.usable(logits):
+            return _native_sinkhorn("hc_sinkhorn_backward", ctx.iters, logits.contiguous(),
+                                    grad.contiguous()), None
         with no_autocast(logits):
             ms = _iterates(logits, ctx.iters)
-            g = grad.to(logits.dtype).reshape(-1, *logits.shape[-2:]).permute(1, 2, 0)
+            g = grad.reshape(-1, *logits.shape[-2:]).permute(1, 2, 0)
             for t in range(len(ms) - 2, -1, -1):
                 dim = 1 if t % 2 == 0 else 0
                 g = (g - (g * ms[t + 1]).sum(dim, keepdim=True)) / ms[t].sum(dim, keepdim=True)
             return _token_major(g * ms[0], logits), None
+
+
+def _native_sinkhorn(kernel: str, iters: int, *inputs: torch.Tensor) -> torch.Tensor:
+    """The fused kernel's iterates (`hc_sinkhorn`) or their backward of a gradient
+    (`hc_sinkhorn_backward`): one result the logits' shape."""
+    logits = inputs[0]
+    result = torch.empty_like(logits)
+    n = logits.shape[-1]
+    hc_native.call(kernel, logits.numel() // (n * n), n, iters, *inputs, result)
+    return result
 
 
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
