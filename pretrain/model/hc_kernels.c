@@ -30,7 +30,7 @@
 #define SIMD_STR(x) #x
 #define CHUNK 64 /* rows per partial sum of a projection's weight gradient */
 
-#define KERNELS(real, sfx)                                                                   \
+#define KERNELS(real, sfx, EXP)                                                                   \
                                                                                              \
 /* h[t] = sum_k pre[t, k] X[t, k] */                                                         \
 HOT void hc_read_##sfx(int64_t T, int64_t n, int64_t H, const real *pre, const real *X,     \
@@ -130,6 +130,18 @@ HOT void hc_write_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *mi
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+/* s[r] = <x[r], x[r]> over `rows` rows of `len` */                                        \
+HOT void hc_sumsq_##sfx(int64_t rows, int64_t len, const real *x, real *s, int threads) {   \
+    OMP_FOR                                                                                  \
+    for (int64_t r = 0; r < rows; r++) {                                                     \
+        const real *v = x + r * len;                                                         \
+        real a = 0;                                                                          \
+        SIMD_SUM(a)                                                                          \
+        for (int64_t e = 0; e < len; e++) a += v[e] * v[e];                                  \
+        s[r] = a;                                                                            \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
 /* The projection of RMS-normalised rows without a norm weight, before the 1 / rms factor:  \
    y[r, j] = <x[r], projT[j]> and s[r] = <x[r], x[r]> for `rows` rows of `len`, m outputs. */ \
 HOT void hc_rms_project_##sfx(int64_t rows, int64_t len, int64_t m, const real *x,         \
@@ -194,27 +206,31 @@ HOT int hc_rms_project_backward_##sfx(int64_t rows, int64_t len, int64_t m, cons
 }                                                                                            \
                                                                                              \
 /* The Sinkhorn iterates of one token's n x n logits into ms (2 iters + 1 matrices):         \
-   M_0 = exp(logits - max), then rows to sum 1, columns to sum 1, `iters` times. */          \
-static void sinkhorn_iterates_##sfx(int64_t n, int64_t iters, const real *a, real *ms) {    \
+   M_0 = exp(logits - max), then rows to sum 1, columns to sum 1, `iters` times. `sums` has  \
+   room for n values. */                                                                     \
+static void sinkhorn_iterates_##sfx(int64_t n, int64_t iters, const real *a, real *ms,      \
+                                    real *sums) {                                            \
     const int64_t nn = n * n;                                                                \
     real top = a[0];                                                                         \
     for (int64_t i = 1; i < nn; i++) top = a[i] > top ? a[i] : top;                          \
-    for (int64_t i = 0; i < nn; i++) ms[i] = exp(a[i] - top);                                \
+    for (int64_t i = 0; i < nn; i++) ms[i] = EXP(a[i] - top);                                \
     for (int64_t it = 0; it < 2 * iters; it++) {                                             \
         const real *m = ms + it * nn;                                                        \
         real *o = ms + (it + 1) * nn;                                                        \
-        if (it % 2 == 0) {                                                                   \
+        if (it % 2 == 0) { /* rows */                                                        \
             for (int64_t i = 0; i < n; i++) {                                                \
-                real s = 0;                                                                  \
-                for (int64_t j = 0; j < n; j++) s += m[i * n + j];                           \
-                for (int64_t j = 0; j < n; j++) o[i * n + j] = m[i * n + j] / s;             \
+                real sum = 0;                                                                \
+                for (int64_t j = 0; j < n; j++) sum += m[i * n + j];                         \
+                const real inv = 1 / sum;                                                    \
+                for (int64_t j = 0; j < n; j++) o[i * n + j] = m[i * n + j] * inv;           \
             }                                                                                \
-        } else {                                                                             \
-            for (int64_t j = 0; j < n; j++) {                                                \
-                real s = 0;                                                                  \
-                for (int64_t i = 0; i < n; i++) s += m[i * n + j];                           \
-                for (int64_t i = 0; i < n; i++) o[i * n + j] = m[i * n + j] / s;             \
-            }                                                                                \
+        } else { /* columns */                                                               \
+            for (int64_t j = 0; j < n; j++) sums[j] = m[j];                                  \
+            for (int64_t i = 1; i < n; i++)                                                  \
+                for (int64_t j = 0; j < n; j++) sums[j] += m[i * n + j];                     \
+            for (int64_t j = 0; j < n; j++) sums[j] = 1 / sums[j];                           \
+            for (int64_t i = 0; i < n; i++)                                                  \
+                for (int64_t j = 0; j < n; j++) o[i * n + j] = m[i * n + j] * sums[j];       \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
@@ -227,12 +243,12 @@ int hc_sinkhorn_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits, r
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)")         \
     {                                                                                        \
-        real *ms = malloc(sizeof(real) * per);                                               \
+        real *ms = malloc(sizeof(real) * (per + n));                                         \
         if (!ms) failed = 1;                                                                 \
         else {                                                                               \
             _Pragma("omp for schedule(static)")                                              \
             for (int64_t t = 0; t < T; t++) {                                                \
-                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms);                      \
+                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms, ms + per);            \
                 memcpy(out + t * nn, ms + 2 * iters * nn, sizeof(real) * nn);                \
             }                                                                                \
             free(ms);                                                                        \
@@ -250,27 +266,41 @@ int hc_sinkhorn_backward_##sfx(int64_t T, int64_t n, int64_t iters, const real *
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)")         \
     {                                                                                        \
-        real *ms = malloc(sizeof(real) * (per + nn));                                        \
+        real *ms = malloc(sizeof(real) * (per + nn + 2 * n));                                \
         if (!ms) failed = 1;                                                                 \
         else {                                                                               \
-            real *g = ms + per;                                                              \
+            real *g = ms + per, *sums = g + nn, *dots = sums + n;                            \
             _Pragma("omp for schedule(static)")                                              \
             for (int64_t t = 0; t < T; t++) {                                                \
-                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms);                      \
+                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms, sums);                \
                 memcpy(g, grad + t * nn, sizeof(real) * nn);                                 \
                 for (int64_t it = 2 * iters - 1; it >= 0; it--) {                            \
                     const real *m = ms + it * nn, *y = ms + (it + 1) * nn;                   \
-                    for (int64_t a = 0; a < n; a++) {                                        \
-                        real s = 0, dot = 0;                                                 \
-                        for (int64_t b = 0; b < n; b++) {                                    \
-                            const int64_t i = it % 2 == 0 ? a * n + b : b * n + a;           \
-                            s += m[i];                                                       \
-                            dot += g[i] * y[i];                                              \
+                    if (it % 2 == 0) { /* rows */                                            \
+                        for (int64_t i = 0; i < n; i++) {                                    \
+                            real sum = 0, dot = 0;                                           \
+                            for (int64_t j = 0; j < n; j++) {                                \
+                                sum += m[i * n + j];                                         \
+                                dot += g[i * n + j] * y[i * n + j];                          \
+                            }                                                                \
+                            const real inv = 1 / sum;                                        \
+                            for (int64_t j = 0; j < n; j++)                                  \
+                                g[i * n + j] = (g[i * n + j] - dot) * inv;                   \
                         }                                                                    \
-                        for (int64_t b = 0; b < n; b++) {                                    \
-                            const int64_t i = it % 2 == 0 ? a * n + b : b * n + a;           \
-                            g[i] = (g[i] - dot) / s;                                         \
+                    } else { /* columns */                                                   \
+                        for (int64_t j = 0; j < n; j++) {                                    \
+                            sums[j] = m[j];                                                  \
+                            dots[j] = g[j] * y[j];                                           \
                         }                                                                    \
+                        for (int64_t i = 1; i < n; i++)                                      \
+                            for (int64_t j = 0; j < n; j++) {                                \
+                                sums[j] += m[i * n + j];                                     \
+                                dots[j] += g[i * n + j] * y[i * n + j];                      \
+                            }                                                                \
+                        for (int64_t j = 0; j < n; j++) sums[j] = 1 / sums[j];               \
+                        for (int64_t i = 0; i < n; i++)                                      \
+                            for (int64_t j = 0; j < n; j++)                                  \
+                                g[i * n + j] = (g[i * n + j] - dots[j]) * sums[j];           \
                     }                                                                        \
                 }                                                                            \
                 for (int64_t i = 0; i < nn; i++) dlogits[t * nn + i] = g[i] * ms[i];         \
@@ -281,5 +311,5 @@ int hc_sinkhorn_backward_##sfx(int64_t T, int64_t n, int64_t iters, const real *
     return failed;                                                                           \
 }
 
-KERNELS(float, f32)
-KERNELS(double, f64)
+KERNELS(float, f32, expf)
+KERNELS(double, f64, exp)

@@ -181,8 +181,12 @@ class _RMSProjection(torch.autograd.Function):
     """z = (x proj) r, r = 1 / sqrt(mean(x^2) + eps) over x's last dim: RMSNorm(x) proj
     without a norm weight, the normalised x (as large as the state) never made. Backward:
     with gy = dz r, dproj = x^T gy and dx = gy proj^T - (sum(dz (x proj)) r^3 / H) x (added
-    to the slot's sum). On the CPU one fused kernel (hc_native.py) does each direction in
-    one pass over x. Saves x (held by the program) and (T, m) tensors."""
+    to the slot's sum). Saves x (held by the program) and (T, m) tensors.
+
+    On the CPU, a projection to at most `FUSED_OUTPUTS` columns (dynamic HC's n + 2) runs as
+    one fused kernel per direction (hc_native.py), one pass over x each; a wider one (mHC's
+    n^2 + 2n from n H inputs) has enough arithmetic per element that the BLAS products are
+    faster, with the sum of squares and the x term fused in place around them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, proj: torch.Tensor, eps: float, slot: GradSlot | None):
@@ -190,9 +194,13 @@ class _RMSProjection(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         if hc_native.usable(flat, proj):
             flat = flat.contiguous()
+        if _fused(flat, proj):
             y, sumsq = flat.new_empty(flat.shape[0], proj.shape[1]), flat.new_empty(len(flat))
             hc_native.call("hc_rms_project", *flat.shape, proj.shape[1], flat,
                            proj.T.contiguous(), y, sumsq)
+        elif hc_native.usable(flat):
+            y, sumsq = flat @ proj, flat.new_empty(len(flat))
+            hc_native.call("hc_sumsq", *flat.shape, flat, sumsq)
         else:
             y, sumsq = flat @ proj, torch.linalg.vecdot(flat, flat)
         r = torch.rsqrt(sumsq / flat.shape[-1] + eps).unsqueeze(1)
@@ -205,22 +213,29 @@ class _RMSProjection(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         dz = dz.reshape(y.shape).contiguous()
         dx = _sum_so_far(ctx.slot, flat)
-        if hc_native.usable(flat, proj, dz):
-            flat = flat.contiguous()
+        if _fused(flat, proj, dz):
             add = dx is not None
             dx = dx if add else torch.empty_like(flat)
             dprojT = proj.new_empty(proj.shape[1], proj.shape[0])
-            hc_native.call("hc_rms_project_backward", *flat.shape, proj.shape[1], flat,
-                           proj.T.contiguous(), dz, y, r, dx, dprojT, int(add))
+            hc_native.call("hc_rms_project_backward", *flat.shape, proj.shape[1],
+                           flat.contiguous(), proj.T.contiguous(), dz, y, r, dx, dprojT,
+                           int(add))
             dproj = dprojT.T
         else:
             gy = dz * r
-            dproj = flat.T @ gy
+            dproj = torch.mm(gy.T, flat).T
             coef = -(dz * y).sum(1, keepdim=True) * (r * r * r) / flat.shape[-1]
             dx = torch.addmm(flat * coef, gy, proj.T) if dx is None else \
-                dx.addmm_(gy, proj.T).add_(flat * coef)
+                dx.addmm_(gy, proj.T).addcmul_(flat, coef)
         dx = _returned(ctx.slot, "project", dx)
         return (None if dx is None else dx.view(x.shape)), dproj, None, None
+
+
+FUSED_OUTPUTS = 8  # the widest projection the fused CPU kernels run (_RMSProjection)
+
+
+def _fused(flat: torch.Tensor, proj: torch.Tensor, *more: torch.Tensor) -> bool:
+    return proj.shape[1] <= FUSED_OUTPUTS and hc_native.usable(flat, proj, *more)
 
 
 def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,

@@ -36,6 +36,7 @@ SIGNATURES = {
     "hc_read_backward": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT),
     "hc_write": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT),
     "hc_write_backward": (_I64, _I64, _I64) + (_PTR,) * 9 + (_INT,),
+    "hc_sumsq": (_I64, _I64, _PTR, _PTR, _INT),
     "hc_rms_project": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT),
     "hc_rms_project_backward": (_I64, _I64, _I64) + (_PTR,) * 7 + (_INT, _INT),
     "hc_sinkhorn": (_I64, _I64, _I64, _PTR, _PTR, _INT),
