@@ -67,13 +67,13 @@ def test_activation_estimate_matches_the_probe(name):
 @pytest.mark.parametrize("name", ["hc-static", "mhc"])
 def test_dwa_block_keeps_the_head_and_the_unit_input_states(name):
     """With units of two blocks autograd keeps the LM head's tensors and the units' input
-    states, X_0 (one stream tensor: the n streams are its views) and X_4 (n of them),
-    nothing else; block and dwa_block are the same for HC."""
+    states, X_0 and X_4 (n = 4 stream tensors each: X_0 is the embedding copied into the
+    streams), nothing else; block and dwa_block are the same for HC."""
     cfg = hc_config(name, "dwa_block", 2)
     report, terms = measured_report(cfg), estimated(cfg).activations
     assert report.saved_bytes == terms["lm_head"] + terms["hc_held"]
     tensor = cfg.train.batch_size * cfg.model.seq_len * cfg.model.d_model * 4
-    assert terms["hc_held"] == (1 + 4) * tensor
+    assert terms["hc_held"] == (4 + 4) * tensor
     assert estimated(hc_config(name, "block", 2)).activations == terms
 
 

@@ -58,6 +58,8 @@ SPAWNS_INSIDE_THE_PACKAGE: dict[str, str] = {
         "git, run by the tracker",
     "test_sweep_preflight.py::test_no_preflight_submits_without_the_checks":
         "sbatch, run by slurm.sweep",
+    "test_hc_kernels.py::test_build_is_cached_per_source_and_a_failing_compiler_falls_back":
+        "the C compiler, run by pretrain.model.hc_native.build",
 }
 
 # Single-process tests left out of the fast tier for time alone: what they wait on, and their

@@ -3,14 +3,14 @@ activation terms of parallel/strategies/memory.py for `model.connection: hc` and
 whole model, and each pipeline stage).
 
 Plain arithmetic over the layout (pretrain/model/hc_program.py: sub-layers c = 1..L, L = 2d,
-X_{c-1} the n-stream state (T, n, H) that sub-layer c reads, X_0 the embedding expanded into
-the n streams, a view of one (T, H) tensor). Per token and rank, in the stream's dtype (the
+X_{c-1} the n-stream state (T, n, H) that sub-layer c reads, X_0 the embedding copied into
+the n streams, one contiguous state like the others). Per token and rank, in the stream's dtype (the
 mixes run with autocast off, pretrain/model/hc_mix.py; under sequence parallelism on this
 rank's slice of the sequence, without it on the whole sequence on every TP rank):
 
 - `hc_held`: the states that something keeps: with `none` X_0..X_{L-1}, each saved by its
-  sub-layer's read and write (and, dynamic HC, its `_RMSProjection`), X_0 one stream
-  tensor and the others n; the model output's sum over the streams saves nothing, so X_L
+  sub-layer's read and write (and, dynamic HC and mHC, its `_RMSProjection`), n stream
+  tensors each; the model output's sum over the streams saves nothing, so X_L
   is not kept (the final norm keeps Y_d, in `lm_head`). With `block` and `dwa_block` the
   units' inputs X_{2a-2}, kept by the checkpoints.
 - `hc_mixes`, per sub-layer, what its weights keep besides the state: the read's pre
@@ -22,8 +22,7 @@ rank's slice of the sequence, without it on the whole sequence on every TP rank)
   output z (T, m) and the m gains that the addcmul saves, the sigmoid of the post logits
   beside post = 2 sigmoid (pre is its sigmoid's own output), and the logits that the
   Sinkhorn function saves to recompute its iterates (T, m; the fp32 copy of the (T, n^2)
-  res logits when the stream is narrower); and at sub-layer 1 the flattened copy of X_0
-  (T, n H) that its projection reads (a flatten of the expanded streams is a copy).
+  res logits when the stream is narrower).
 - `blocks`: each sub-layer's branch internals (`ActivationShape.attention_branch`,
   `mlp_branch`, as Attention Residuals count them, less the repeated k and v that
   `attention_branch` counts under grouped-query attention and fp32 SDPA does not keep)
@@ -36,8 +35,7 @@ first read and its write are one step, so every unit recomputes its entry mix fr
 it receives and `block` and `dwa_block` are the same. `none` keeps everything above.
 `block`/`dwa_block` keep the units' input states (`hc_held`) and the LM head; nothing runs
 outside the units but the output sum. Recomputing a unit holds its sub-layers' mixes and
-branches and the 2n - 1 states it makes before its last (the first unit's mHC also the
-flattened copy of X_0).
+branches and the 2n - 1 states it makes before its last.
 
 A pipeline stage (`hc_stage_terms`: blocks first..last, sub-layers 2 first - 1 .. 2 last,
 the program of hc_program.py run by parallel/strategies/stage_model.py) keeps per micro-batch
@@ -62,9 +60,9 @@ from pretrain.model.hc_program import HCLayout
 FP32 = 4
 
 
-def state_bytes(layout: HCLayout, j: int, shape) -> int:
-    """Bytes of the state X_j: one stream tensor for X_0 (n views of it), n for the others."""
-    return shape.stream_tensor * (1 if j == 0 else layout.streams)
+def state_bytes(layout: HCLayout, shape) -> int:
+    """Bytes of one state X_j: n stream tensors."""
+    return shape.stream_tensor * layout.streams
 
 
 def mix_bytes(layout: HCLayout, c: int, shape) -> int:
@@ -76,8 +74,6 @@ def mix_bytes(layout: HCLayout, c: int, shape) -> int:
         m = layout.n_weights
         logits = tokens * m * e if e >= FP32 else tokens * n * n * FP32
         total += (tokens * (2 * m + 1 + n) + m) * e + logits
-        if c == 1:
-            total += layout.streams * shape.stream_tensor
     elif layout.dynamic:
         total += (tokens * n * (2 * (n + 2) + 1) + n + 2) * e
     return total
@@ -100,18 +96,18 @@ def hc_activation_terms(model: DenseFormerConfig, shape, mode: str,
     subs = range(1, layout.n_sublayers + 1)
     terms = {"lm_head": shape.head}
     if mode == "none":
-        terms["hc_held"] = sum(state_bytes(layout, c - 1, shape) for c in subs)
+        terms["hc_held"] = len(subs) * state_bytes(layout, shape)
         terms["hc_mixes"] = sum(mix_bytes(layout, c, shape) for c in subs)
         terms["blocks"] = sum(sublayer_bytes(model, shape, c) for c in subs)
         return terms
     held, working = 0, 0
     for unit in units:
         first, last = 2 * unit.start - 1, 2 * unit[-1]
-        held += state_bytes(layout, first - 1, shape)
+        held += state_bytes(layout, shape)
         inner = range(first, last + 1)
         working = max(working, sum(mix_bytes(layout, c, shape) + sublayer_bytes(model, shape, c)
                                    for c in inner)
-                      + (len(inner) - 1) * state_bytes(layout, 1, shape))
+                      + (len(inner) - 1) * state_bytes(layout, shape))
     terms["hc_held"] = held
     terms["recompute_working_set"] = working
     return terms
@@ -142,8 +138,7 @@ def hc_stage_terms(model: DenseFormerConfig, shape, mode: str, program,
             layout.streams * shape.stream_tensor if boundary_bytes != shape.precision.stream
             else 0)
     # The states the stage's sub-layers read but the received one.
-    terms["hc_held"] = sum(state_bytes(layout, c - 1, shape) for c in subs
-                           if program.is_first or c > lo)
+    terms["hc_held"] = (len(subs) - (0 if program.is_first else 1)) * state_bytes(layout, shape)
     terms["hc_mixes"] = sum(mix_bytes(layout, c, shape) for c in subs)
     if mode == "none":
         terms["blocks"] = sum(sublayer_bytes(model, shape, c) for c in subs)

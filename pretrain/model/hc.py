@@ -28,8 +28,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pretrain.model.hc_mix import (GradSlot, hc_dynamic, mhc_weights, no_autocast, read, streams,
-                                   write)
+from pretrain.model.hc_mix import (
+    GradSlot,
+    hc_dynamic,
+    mhc_weights,
+    no_autocast,
+    read,
+    streams,
+    write,
+)
 from pretrain.model.hc_program import HCLayout
 from pretrain.model.program import Source, Step
 

@@ -31,8 +31,9 @@ def no_autocast(x: torch.Tensor):
 
 
 def streams(x0: torch.Tensor, n: int) -> torch.Tensor:
-    """X_0 (..., H) copied into n streams (..., n, H) (a view: the copies share storage)."""
-    return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1])
+    """X_0 (..., H) copied into n streams (..., n, H): one contiguous state like every other
+    (the fused kernels read contiguous states; a view of x0 would be copied by each reader)."""
+    return x0.unsqueeze(-2).expand(*x0.shape[:-1], n, x0.shape[-1]).contiguous()
 
 
 def _per_token(weights: torch.Tensor, state: torch.Tensor, dims: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Hyper-Connections' fused CPU kernels (pretrain/model/hc_kernels.c): built with the C
 compiler on first use, loaded through ctypes, called on contiguous fp32/fp64 CPU tensors.
 
-The library is built once per source, compiler (its path, size and time) and flags into the kernel cache
-(`$DENSEFORMER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/denseformer/kernels`, else
+The library is built once per source, compiler (its path, size and time) and flags into the
+kernel cache (`$DENSEFORMER_KERNEL_CACHE`, else `$XDG_CACHE_HOME/denseformer/kernels`, else
 `~/.cache/denseformer/kernels`), as DeepSpeed builds its ops: written to a temporary name,
 then renamed, so ranks building at once on one node never load a half-written file. Where
 there is no compiler, the build fails, or `DENSEFORMER_HC_KERNELS=0` is set, `lib()` is None
@@ -108,7 +108,8 @@ def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels serve these tensors: all on the CPU, of one dtype they have, and
     not under torch.compile (which traces the torch operations instead)."""
     first = tensors[0]
-    return (first.device.type == "cpu" and not torch.compiler.is_compiling() and first.dtype in SUFFIX
+    return (first.device.type == "cpu" and not torch.compiler.is_compiling()
+            and first.dtype in SUFFIX
             and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
             and lib() is not None)
 
