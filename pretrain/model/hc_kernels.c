@@ -24,6 +24,13 @@
 #define HOT
 #endif
 
+/* exp and expf over SIMD lanes: glibc's vector variants (libmvec, linked with -lm, each
+   within a few ulp), which math.h declares only under -ffast-math. */
+#if defined(__GLIBC__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((simd("notinbranch"))) float expf(float);
+__attribute__((simd("notinbranch"))) double exp(double);
+#endif
+
 #define OMP_FOR _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
 /* A sum the compiler may vectorise (reassociate) without -ffast-math. */
 #define SIMD_SUM(var) _Pragma(SIMD_STR(omp simd reduction(+:var)))
