@@ -24,11 +24,20 @@
 #define HOT
 #endif
 
+/* exp and expf over SIMD lanes: glibc's vector variants (libmvec, linked with -lm, each
+   within a few ulp), which math.h declares only under -ffast-math. */
+#if defined(__GLIBC__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((simd("notinbranch"))) float expf(float);
+__attribute__((simd("notinbranch"))) double exp(double);
+#endif
+
 #define OMP_FOR _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
 /* A sum the compiler may vectorise (reassociate) without -ffast-math. */
 #define SIMD_SUM(var) _Pragma(SIMD_STR(omp simd reduction(+:var)))
 #define SIMD_STR(x) #x
 #define CHUNK 64 /* rows per partial sum of a projection's weight gradient */
+#define VL 16    /* tokens per Sinkhorn block, one per SIMD lane */
+#define LANES _Pragma("omp simd") for (int64_t v = 0; v < VL; v++)
 
 #define KERNELS(real, sfx, EXP)                                                                   \
                                                                                              \
@@ -205,51 +214,77 @@ HOT int hc_rms_project_backward_##sfx(int64_t rows, int64_t len, int64_t m, cons
     return 0;                                                                                \
 }                                                                                            \
                                                                                              \
-/* The Sinkhorn iterates of one token's n x n logits into ms (2 iters + 1 matrices):         \
-   M_0 = exp(logits - max), then rows to sum 1, columns to sum 1, `iters` times. `sums` has  \
-   room for n values. */                                                                     \
-static void sinkhorn_iterates_##sfx(int64_t n, int64_t iters, const real *a, real *ms,      \
-                                    real *sums) {                                            \
-    const int64_t nn = n * n;                                                                \
-    real top = a[0];                                                                         \
-    for (int64_t i = 1; i < nn; i++) top = a[i] > top ? a[i] : top;                          \
-    for (int64_t i = 0; i < nn; i++) ms[i] = EXP(a[i] - top);                                \
+/* The Sinkhorn kernels run VL tokens at once, one per SIMD lane: a block's n x n matrices   \
+   lie lane-major ([i * n + j][v], token t0 + v), so every elementwise step is a loop over   \
+   the VL lanes that the compiler vectorises across tokens. The last block's unused lanes    \
+   hold zero logits (a harmless uniform matrix) and are never written back. Each lane runs   \
+   the same operations in the same order as one token alone.                                 \
+                                                                                             \
+   The Sinkhorn iterates of the block of `used` tokens at a (token-major (used, n, n)) into  \
+   ms: M_0 = exp(logits - max over the token's matrix), then rows to sum 1, columns to sum   \
+   1, `iters` times; with `keep` all 2 iters + 1 iterates (each nn x VL) are kept, else      \
+   the last overwrites M_0 in place. `sums` has room for n x VL values. */                   \
+static inline void sinkhorn_block_##sfx(int64_t n, int64_t iters, const real *a,             \
+                                        int64_t used, int keep, real *ms, real *sums) {      \
+    const int64_t nn = n * n, step = keep ? nn * VL : 0;                                     \
+    for (int64_t v = 0; v < VL; v++)                                                         \
+        for (int64_t i = 0; i < nn; i++) ms[i * VL + v] = v < used ? a[v * nn + i] : 0;      \
+    real top[VL];                                                                            \
+    LANES top[v] = ms[v];                                                                    \
+    for (int64_t i = 1; i < nn; i++) {                                                       \
+        const real *x = ms + i * VL;                                                         \
+        LANES top[v] = x[v] > top[v] ? x[v] : top[v];                                        \
+    }                                                                                        \
+    for (int64_t i = 0; i < nn; i++) {                                                       \
+        real *x = ms + i * VL;                                                               \
+        LANES x[v] = EXP(x[v] - top[v]);                                                     \
+    }                                                                                        \
     for (int64_t it = 0; it < 2 * iters; it++) {                                             \
-        const real *m = ms + it * nn;                                                        \
-        real *o = ms + (it + 1) * nn;                                                        \
+        const real *m = ms + it * step;                                                      \
+        real *o = ms + (it + 1) * step;                                                      \
         if (it % 2 == 0) { /* rows */                                                        \
             for (int64_t i = 0; i < n; i++) {                                                \
-                real sum = 0;                                                                \
-                for (int64_t j = 0; j < n; j++) sum += m[i * n + j];                         \
-                const real inv = 1 / sum;                                                    \
-                for (int64_t j = 0; j < n; j++) o[i * n + j] = m[i * n + j] * inv;           \
+                const real *mi = m + i * n * VL;                                             \
+                real *oi = o + i * n * VL, inv[VL];                                          \
+                LANES inv[v] = mi[v];                                                        \
+                for (int64_t j = 1; j < n; j++) LANES inv[v] += mi[j * VL + v];              \
+                LANES inv[v] = 1 / inv[v];                                                   \
+                for (int64_t j = 0; j < n; j++)                                              \
+                    LANES oi[j * VL + v] = mi[j * VL + v] * inv[v];                          \
             }                                                                                \
         } else { /* columns */                                                               \
-            for (int64_t j = 0; j < n; j++) sums[j] = m[j];                                  \
+            for (int64_t j = 0; j < n; j++) LANES sums[j * VL + v] = m[j * VL + v];          \
             for (int64_t i = 1; i < n; i++)                                                  \
-                for (int64_t j = 0; j < n; j++) sums[j] += m[i * n + j];                     \
-            for (int64_t j = 0; j < n; j++) sums[j] = 1 / sums[j];                           \
+                for (int64_t j = 0; j < n; j++)                                              \
+                    LANES sums[j * VL + v] += m[(i * n + j) * VL + v];                       \
+            for (int64_t j = 0; j < n; j++) LANES sums[j * VL + v] = 1 / sums[j * VL + v];   \
             for (int64_t i = 0; i < n; i++)                                                  \
-                for (int64_t j = 0; j < n; j++) o[i * n + j] = m[i * n + j] * sums[j];       \
+                for (int64_t j = 0; j < n; j++) LANES {                                      \
+                    const int64_t k = (i * n + j) * VL + v;                                  \
+                    o[k] = m[k] * sums[j * VL + v];                                          \
+                }                                                                            \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
 /* out[t] = the last iterate of token t's logits (T, n, n). Returns 0, or 1 if out of        \
    memory. */                                                                                \
-int hc_sinkhorn_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits, real *out,   \
-                      int threads) {                                                         \
-    const int64_t nn = n * n, per = (2 * iters + 1) * nn;                                    \
+HOT int hc_sinkhorn_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits,           \
+                          real *out, int threads) {                                          \
+    const int64_t nn = n * n, blocks = (T + VL - 1) / VL;                                    \
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)")         \
     {                                                                                        \
-        real *ms = malloc(sizeof(real) * (per + n));                                         \
+        real *ms = aligned_alloc(64, sizeof(real) * (nn + n) * VL);                          \
         if (!ms) failed = 1;                                                                 \
         else {                                                                               \
             _Pragma("omp for schedule(static)")                                              \
-            for (int64_t t = 0; t < T; t++) {                                                \
-                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms, ms + per);            \
-                memcpy(out + t * nn, ms + 2 * iters * nn, sizeof(real) * nn);                \
+            for (int64_t b = 0; b < blocks; b++) {                                           \
+                const int64_t t0 = b * VL, used = T - t0 < VL ? T - t0 : VL;                 \
+                sinkhorn_block_##sfx(n, iters, logits + t0 * nn, used, 0, ms, ms + nn * VL); \
+                for (int64_t v = 0; v < used; v++)                                           \
+                    for (int64_t i = 0; i < nn; i++)                                         \
+                        out[(t0 + v) * nn + i] = ms[i * VL + v];                             \
             }                                                                                \
             free(ms);                                                                        \
         }                                                                                    \
@@ -258,52 +293,66 @@ int hc_sinkhorn_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits, r
 }                                                                                            \
                                                                                              \
 /* dlogits for the gradient of the last iterate: the iterates recomputed, then the chain     \
-   rule of y = x / sum x (dx = (dy - sum(dy y)) / sum x) in reverse, times M_0. Returns 0,  \
+   rule of y = x / sum x (dx = (dy - sum(dy y)) / sum x) in reverse, times M_0. Returns 0,   \
    or 1 if out of memory. */                                                                 \
-int hc_sinkhorn_backward_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits,     \
-                               const real *grad, real *dlogits, int threads) {               \
-    const int64_t nn = n * n, per = (2 * iters + 1) * nn;                                    \
+HOT int hc_sinkhorn_backward_##sfx(int64_t T, int64_t n, int64_t iters, const real *logits,  \
+                                   const real *grad, real *dlogits, int threads) {           \
+    const int64_t nn = n * n, per = (2 * iters + 1) * nn * VL, blocks = (T + VL - 1) / VL;   \
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)")         \
     {                                                                                        \
-        real *ms = malloc(sizeof(real) * (per + nn + 2 * n));                                \
+        real *ms = aligned_alloc(64, sizeof(real) * (per + (nn + 2 * n) * VL));              \
         if (!ms) failed = 1;                                                                 \
         else {                                                                               \
-            real *g = ms + per, *sums = g + nn, *dots = sums + n;                            \
+            real *g = ms + per, *sums = g + nn * VL, *dots = sums + n * VL;                  \
             _Pragma("omp for schedule(static)")                                              \
-            for (int64_t t = 0; t < T; t++) {                                                \
-                sinkhorn_iterates_##sfx(n, iters, logits + t * nn, ms, sums);                \
-                memcpy(g, grad + t * nn, sizeof(real) * nn);                                 \
+            for (int64_t b = 0; b < blocks; b++) {                                           \
+                const int64_t t0 = b * VL, used = T - t0 < VL ? T - t0 : VL;                 \
+                sinkhorn_block_##sfx(n, iters, logits + t0 * nn, used, 1, ms, sums);         \
+                for (int64_t v = 0; v < VL; v++)                                             \
+                    for (int64_t i = 0; i < nn; i++)                                         \
+                        g[i * VL + v] = v < used ? grad[(t0 + v) * nn + i] : 0;              \
                 for (int64_t it = 2 * iters - 1; it >= 0; it--) {                            \
-                    const real *m = ms + it * nn, *y = ms + (it + 1) * nn;                   \
+                    const real *m = ms + it * nn * VL, *y = m + nn * VL;                     \
                     if (it % 2 == 0) { /* rows */                                            \
                         for (int64_t i = 0; i < n; i++) {                                    \
-                            real sum = 0, dot = 0;                                           \
-                            for (int64_t j = 0; j < n; j++) {                                \
-                                sum += m[i * n + j];                                         \
-                                dot += g[i * n + j] * y[i * n + j];                          \
+                            const real *mi = m + i * n * VL, *yi = y + i * n * VL;           \
+                            real *gi = g + i * n * VL, sum[VL], dot[VL];                     \
+                            LANES {                                                          \
+                                sum[v] = mi[v];                                              \
+                                dot[v] = gi[v] * yi[v];                                      \
                             }                                                                \
-                            const real inv = 1 / sum;                                        \
+                            for (int64_t j = 1; j < n; j++) LANES {                          \
+                                sum[v] += mi[j * VL + v];                                    \
+                                dot[v] += gi[j * VL + v] * yi[j * VL + v];                   \
+                            }                                                                \
+                            LANES sum[v] = 1 / sum[v];                                       \
                             for (int64_t j = 0; j < n; j++)                                  \
-                                g[i * n + j] = (g[i * n + j] - dot) * inv;                   \
+                                LANES gi[j * VL + v] = (gi[j * VL + v] - dot[v]) * sum[v];   \
                         }                                                                    \
                     } else { /* columns */                                                   \
-                        for (int64_t j = 0; j < n; j++) {                                    \
-                            sums[j] = m[j];                                                  \
-                            dots[j] = g[j] * y[j];                                           \
+                        for (int64_t j = 0; j < n; j++) LANES {                              \
+                            sums[j * VL + v] = m[j * VL + v];                                \
+                            dots[j * VL + v] = g[j * VL + v] * y[j * VL + v];                \
                         }                                                                    \
                         for (int64_t i = 1; i < n; i++)                                      \
-                            for (int64_t j = 0; j < n; j++) {                                \
-                                sums[j] += m[i * n + j];                                     \
-                                dots[j] += g[i * n + j] * y[i * n + j];                      \
+                            for (int64_t j = 0; j < n; j++) LANES {                          \
+                                const int64_t k = (i * n + j) * VL + v;                      \
+                                sums[j * VL + v] += m[k];                                    \
+                                dots[j * VL + v] += g[k] * y[k];                             \
                             }                                                                \
-                        for (int64_t j = 0; j < n; j++) sums[j] = 1 / sums[j];               \
+                        for (int64_t j = 0; j < n; j++)                                      \
+                            LANES sums[j * VL + v] = 1 / sums[j * VL + v];                   \
                         for (int64_t i = 0; i < n; i++)                                      \
-                            for (int64_t j = 0; j < n; j++)                                  \
-                                g[i * n + j] = (g[i * n + j] - dots[j]) * sums[j];           \
+                            for (int64_t j = 0; j < n; j++) LANES {                          \
+                                const int64_t k = (i * n + j) * VL + v;                      \
+                                g[k] = (g[k] - dots[j * VL + v]) * sums[j * VL + v];         \
+                            }                                                                \
                     }                                                                        \
                 }                                                                            \
-                for (int64_t i = 0; i < nn; i++) dlogits[t * nn + i] = g[i] * ms[i];         \
+                for (int64_t v = 0; v < used; v++)                                           \
+                    for (int64_t i = 0; i < nn; i++)                                         \
+                        dlogits[(t0 + v) * nn + i] = g[i * VL + v] * ms[i * VL + v];         \
             }                                                                                \
             free(ms);                                                                        \
         }                                                                                    \
