@@ -32,6 +32,16 @@ def _run(fn, inputs, grad_seed=1):
     return [out.detach()] + [x.grad for x in inputs]
 
 
+def _dynamic_read(state, proj, scale, am, ar, b):
+    """h, mix and post of dynamic HC, fused where the kernels serve (hc.py's choice)."""
+    fused = hc_mix.dynamic_read(state, proj, scale, am, ar, b, 1e-6)
+    if fused is None:
+        pre, res, post = hc_mix.hc_dynamic(state, proj, scale, am, ar, b, 1e-6)
+        fused = hc_mix.read(pre, state), pre, res.mT, post
+    h, _, mix, post = fused
+    return torch.cat([h, mix.flatten(-2), post], -1)
+
+
 def _cases(dtype, n, hidden=19):
     g = torch.Generator().manual_seed(n)
 
@@ -45,10 +55,10 @@ def _cases(dtype, n, hidden=19):
         "read": (hc_mix.read, [pre, state]),
         "write": (hc_mix.write, [mix, post, state, out]),
         "write, shared weights": (hc_mix.write, [mix[0, 0], post[0, 0], state, out]),
-        "projection, fused": (lambda x, p: hc_mix._RMSProjection.apply(x, p, 1e-6, None),
-                              [state, r(hidden, n + 2)]),
-        "projection, BLAS": (lambda x, p: hc_mix._RMSProjection.apply(x, p, 1e-6, None),
-                             [state.flatten(-2), r(n * hidden, n * n + 2 * n)]),
+        "dynamic weights and read": (_dynamic_read, [state, r(hidden, n + 2), r(2), r(n),
+                                                     r(n, n), r(n)]),
+        "projection": (lambda x, p: hc_mix._RMSProjection.apply(x, p, 1e-6, None),
+                       [state.flatten(-2), r(n * hidden, n * n + 2 * n)]),
         "mhc weights": (lambda x, p, s: torch.cat([w.flatten(-2) if w.dim() == 4 else w
                                                    for w in hc_mix.mhc_weights(
                                                        x, p, s, mhc_bias, 1e-6, 5)], -1),

@@ -30,6 +30,7 @@ from torch import nn
 
 from pretrain.model.hc_mix import (
     GradSlot,
+    dynamic_read,
     hc_dynamic,
     mhc_weights,
     no_autocast,
@@ -145,11 +146,21 @@ class HCConnections:
             if c == self.layout.n_sublayers + 1:  # the model output
                 return state.sum(-2)
             slot = self.slot()
-            pre, mix, post = self.weights(c, state, slot)
+            fused = None
+            if self.layout.kind == "hc" and self.layout.dynamic:
+                row = self.row
+                fused = dynamic_read(state, row("hc_proj", c), row("hc_scale", c),
+                                     row("hc_pre", c), row("hc_res", c), row("hc_post", c),
+                                     self.eps, slot)
+            if fused is not None:
+                h, pre, mix, post = fused
+            else:
+                pre, mix, post = self.weights(c, state, slot)
+                h = read(pre, state, slot)
             if self.record is not None:
                 self.record[c] = tuple(w.detach() for w in (pre, mix, post))
             self.pending[c] = (mix, post, slot)
-            return read(pre, state, slot)
+            return h
 
     def write(self, step: Step, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         mix, post, slot = self.pending.pop(step.out)

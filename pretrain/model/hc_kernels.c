@@ -151,56 +151,143 @@ HOT void hc_sumsq_##sfx(int64_t rows, int64_t len, const real *x, real *s, int t
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* The projection of RMS-normalised rows without a norm weight, before the 1 / rms factor:  \
-   y[r, j] = <x[r], projT[j]> and s[r] = <x[r], x[r]> for `rows` rows of `len`, m outputs. */ \
-HOT void hc_rms_project_##sfx(int64_t rows, int64_t len, int64_t m, const real *x,         \
-                              const real *projT, real *y, real *s, int threads) {            \
+/* Dynamic HC's weights and read of one sub-layer, one pass over each token's state:         \
+   with w = n + 2 projections per stream (projT (w, H)), scale = (s_a, s_b) and the static    \
+   Am (n), Ar (n, n) source-major, B (n):                                                    \
+     y[l, j] = <X[l], projT[j]>,  r[l] = 1 / sqrt(|X[l]|^2 / H + eps),  z = tanh(y r),       \
+     pre[l] = Am[l] + s_a z[l, 0],  mix[k, l] = Ar[l, k] + s_a z[l, 1 + k],                  \
+     post[l] = B[l] + s_b z[l, n + 1],  h = sum_l pre[l] X[l].                               \
+   Writes h (T, H), pre, post (T, n), mix (T, n, n) destination-major, and for the backward  \
+   y, z (T, n, w) and r (T, n). */                                                           \
+HOT void hc_dynamic_read_##sfx(int64_t T, int64_t n, int64_t H, const real *X,              \
+                               const real *projT, const real *Am, const real *Ar,            \
+                               const real *B, const real *scale, double eps, real *h,        \
+                               real *pre, real *mix, real *post, real *y, real *z, real *r,  \
+                               int threads) {                                                \
+    const int64_t w = n + 2;                                                                 \
+    const real sa = scale[0], sb = scale[1];                                                 \
     OMP_FOR                                                                                  \
-    for (int64_t r = 0; r < rows; r++) {                                                     \
-        const real *v = x + r * len;                                                         \
-        real a = 0;                                                                          \
-        SIMD_SUM(a)                                                                          \
-        for (int64_t e = 0; e < len; e++) a += v[e] * v[e];                                  \
-        s[r] = a;                                                                            \
-        for (int64_t j = 0; j < m; j++) {                                                    \
-            const real *p = projT + j * len;                                                 \
-            real d = 0;                                                                      \
-            SIMD_SUM(d)                                                                      \
-            for (int64_t e = 0; e < len; e++) d += v[e] * p[e];                              \
-            y[r * m + j] = d;                                                                \
+    for (int64_t t = 0; t < T; t++) {                                                        \
+        const real *x = X + t * n * H;                                                       \
+        real *yt = y + t * n * w, *zt = z + t * n * w, *p = pre + t * n;                     \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            const real *xl = x + l * H;                                                      \
+            /* |X[l]|^2 and the w products as VL partial sums each: w + 1 independent sums */\
+            real part[(w + 1) * VL], tail[w + 1];                                            \
+            for (int64_t i = 0; i < (w + 1) * VL; i++) part[i] = 0;                          \
+            int64_t e0 = 0;                                                                  \
+            for (; e0 + VL <= H; e0 += VL) {                                                 \
+                const real *xb = xl + e0;                                                    \
+                LANES part[v] += xb[v] * xb[v];                                              \
+                for (int64_t j = 0; j < w; j++) {                                            \
+                    const real *pb = projT + j * H + e0;                                     \
+                    real *pp = part + (j + 1) * VL;                                          \
+                    LANES pp[v] += xb[v] * pb[v];                                            \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t j = 0; j <= w; j++) {                                               \
+                real a = 0;                                                                  \
+                for (int64_t v = 0; v < VL; v++) a += part[j * VL + v];                      \
+                const real *pj = j == 0 ? xl : projT + (j - 1) * H;                          \
+                for (int64_t e = e0; e < H; e++) a += xl[e] * pj[e];                         \
+                tail[j] = a;                                                                 \
+            }                                                                                \
+            const real rl = (real)(1 / sqrt((double)tail[0] / (double)H + eps));             \
+            r[t * n + l] = rl;                                                               \
+            for (int64_t j = 0; j < w; j++) {                                                \
+                yt[l * w + j] = tail[j + 1];                                                 \
+                zt[l * w + j] = (real)tanh((double)(tail[j + 1] * rl));                      \
+            }                                                                                \
+            p[l] = Am[l] + sa * zt[l * w];                                                   \
+            post[t * n + l] = B[l] + sb * zt[l * w + n + 1];                                 \
+            for (int64_t k = 0; k < n; k++)                                                  \
+                mix[(t * n + k) * n + l] = Ar[l * n + k] + sa * zt[l * w + 1 + k];           \
+        }                                                                                    \
+        real *o = h + t * H;                                                                 \
+        for (int64_t e = 0; e < H; e++) o[e] = p[0] * x[e];                                  \
+        for (int64_t l = 1; l < n; l++) {                                                    \
+            const real wl = p[l], *xl = x + l * H;                                           \
+            for (int64_t e = 0; e < H; e++) o[e] += wl * xl[e];                              \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* Its backward for z = y rinv (rinv[r] = 1 / rms(x[r])) and the gradient dz: with           \
-   gy = dz rinv and c[r] = -rinv^3 / len sum_j dz[r, j] y[r, j],                             \
-   dx[r] = sum_j gy[r, j] projT[j] + c[r] x[r] (added to dx if accumulate) and               \
-   dprojT[j] = sum_r gy[r, j] x[r], summed per CHUNK rows, then the chunks in order (the     \
-   same sum whatever the thread count). Returns 0, or 1 if out of memory. */                 \
-HOT int hc_rms_project_backward_##sfx(int64_t rows, int64_t len, int64_t m, const real *x,  \
-                                      const real *projT, const real *dz, const real *y,      \
-                                      const real *rinv, real *dx, real *dprojT,              \
-                                      int accumulate, int threads) {                         \
-    const int64_t chunks = (rows + CHUNK - 1) / CHUNK, width = m * len;                      \
+/* Its backward for dh (T, H), dmix (T, n, n) and dpost (T, n): per token                   \
+     dpre[l] = <X[l], dh>, the gradient of z: dz[l, 0] = s_a dpre[l],                        \
+     dz[l, 1 + k] = s_a dmix[k, l], dz[l, n + 1] = s_b dpost[l]; du = dz (1 - z^2),          \
+     gy = du r[l], c[l] = -r[l]^3 / H sum_j du[l, j] y[l, j];                                \
+     dX[l] = pre[l] dh + sum_j gy[l, j] projT[j] + c[l] X[l]  (added to dX if accumulate),  \
+   and summed over tokens (per CHUNK tokens, then the chunks in order): dprojT[j] =          \
+   sum gy[l, j] X[l], dAm = sum dpre, dAr[l, k] = sum dmix[k, l], dB = sum dpost,            \
+   dscale = (sum dpre z[., 0] + dmix z[., 1 + k], sum dpost z[., n + 1]). Returns 0, or 1    \
+   if out of memory. */                                                                      \
+HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *X,      \
+                                       const real *projT, const real *scale,                 \
+                                       const real *pre, const real *y, const real *z,        \
+                                       const real *r, const real *dh, const real *dmix,      \
+                                       const real *dpost, real *dX, int accumulate,          \
+                                       real *dprojT, real *dAm, real *dAr, real *dB,         \
+                                       real *dscale, int threads) {                          \
+    const int64_t w = n + 2, chunks = (T + CHUNK - 1) / CHUNK;                               \
+    const int64_t small = n + n * n + n + 2, width = w * H + small;                          \
+    const real sa = scale[0], sb = scale[1];                                                 \
     real *partial = calloc((size_t)(chunks * width), sizeof(real));                          \
     if (!partial) return 1;                                                                  \
     OMP_FOR                                                                                  \
     for (int64_t c = 0; c < chunks; c++) {                                                   \
-        real *acc = partial + c * width;                                                     \
-        const int64_t end = (c + 1) * CHUNK < rows ? (c + 1) * CHUNK : rows;                 \
-        for (int64_t r = c * CHUNK; r < end; r++) {                                          \
-            const real *v = x + r * len, ri = rinv[r];                                       \
-            real *d = dx + r * len, dot = 0;                                                 \
-            for (int64_t j = 0; j < m; j++) dot += dz[r * m + j] * y[r * m + j];             \
-            const real coef = -dot * ri * ri * ri / (real)len;                               \
-            if (accumulate)                                                                  \
-                for (int64_t e = 0; e < len; e++) d[e] += coef * v[e];                       \
-            else                                                                             \
-                for (int64_t e = 0; e < len; e++) d[e] = coef * v[e];                        \
-            for (int64_t j = 0; j < m; j++) {                                                \
-                const real g = dz[r * m + j] * ri, *p = projT + j * len;                     \
-                real *a = acc + j * len;                                                     \
-                for (int64_t e = 0; e < len; e++) { d[e] += g * p[e]; a[e] += g * v[e]; }    \
+        real *acc = partial + c * width, *sm = acc + w * H; /* dprojT, then the small ones */\
+        real du[w], gy[w];                                                                   \
+        const int64_t end = (c + 1) * CHUNK < T ? (c + 1) * CHUNK : T;                       \
+        for (int64_t t = c * CHUNK; t < end; t++) {                                          \
+            const real *x = X + t * n * H, *g = dh + t * H, *zt = z + t * n * w;             \
+            const real *yt = y + t * n * w, *dm = dmix + t * n * n;                          \
+            for (int64_t l = 0; l < n; l++) {                                                \
+                const real *xl = x + l * H, *zl = zt + l * w, rl = r[t * n + l];             \
+                real dp = 0;                                                                 \
+                SIMD_SUM(dp)                                                                 \
+                for (int64_t e = 0; e < H; e++) dp += xl[e] * g[e];                          \
+                const real dq = dpost[t * n + l];                                            \
+                sm[l] += dp;                                                                 \
+                sm[n + n * n + l] += dq;                                                     \
+                sm[small - 2] += dp * zl[0];                                                 \
+                sm[small - 1] += dq * zl[n + 1];                                             \
+                du[0] = sa * dp;                                                             \
+                du[n + 1] = sb * dq;                                                         \
+                for (int64_t k = 0; k < n; k++) {                                            \
+                    sm[n + l * n + k] += dm[k * n + l];                                      \
+                    sm[small - 2] += dm[k * n + l] * zl[1 + k];                              \
+                    du[1 + k] = sa * dm[k * n + l];                                          \
+                }                                                                            \
+                real dot = 0;                                                                \
+                for (int64_t j = 0; j < w; j++) {                                            \
+                    du[j] *= 1 - zl[j] * zl[j];                                              \
+                    dot += du[j] * yt[l * w + j];                                            \
+                    gy[j] = du[j] * rl;                                                      \
+                }                                                                            \
+                const real coef = -dot * rl * rl * rl / (real)H, pl = pre[t * n + l];        \
+                real *d = dX + (t * n + l) * H;                                              \
+                int64_t e0 = 0;                                                              \
+                for (; e0 + VL <= H; e0 += VL) { /* a block of dX[l] summed in registers */  \
+                    const real *xb = xl + e0, *gb = g + e0;                                  \
+                    real blk[VL];                                                            \
+                    LANES blk[v] = pl * gb[v] + coef * xb[v];                                \
+                    for (int64_t j = 0; j < w; j++) {                                        \
+                        const real gj = gy[j], *pb = projT + j * H + e0;                     \
+                        real *ab = acc + j * H + e0;                                         \
+                        LANES { blk[v] += gj * pb[v]; ab[v] += gj * xb[v]; }                 \
+                    }                                                                        \
+                    real *db = d + e0;                                                       \
+                    if (accumulate) { LANES db[v] += blk[v]; }                               \
+                    else { LANES db[v] = blk[v]; }                                           \
+                }                                                                            \
+                for (int64_t e = e0; e < H; e++) {                                           \
+                    real a = pl * g[e] + coef * xl[e];                                       \
+                    for (int64_t j = 0; j < w; j++) {                                        \
+                        a += gy[j] * projT[j * H + e];                                       \
+                        acc[j * H + e] += gy[j] * xl[e];                                     \
+                    }                                                                        \
+                    d[e] = (accumulate ? d[e] : 0) + a;                                      \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
@@ -208,7 +295,14 @@ HOT int hc_rms_project_backward_##sfx(int64_t rows, int64_t len, int64_t m, cons
     for (int64_t i = 0; i < width; i++) {                                                    \
         real a = 0;                                                                          \
         for (int64_t c = 0; c < chunks; c++) a += partial[c * width + i];                    \
-        dprojT[i] = a;                                                                       \
+        if (i < w * H) dprojT[i] = a;                                                        \
+        else {                                                                               \
+            const int64_t s = i - w * H;                                                     \
+            if (s < n) dAm[s] = a;                                                           \
+            else if (s < n + n * n) dAr[s - n] = a;                                          \
+            else if (s < small - 2) dB[s - n - n * n] = a;                                   \
+            else dscale[s - (small - 2)] = a;                                                \
+        }                                                                                    \
     }                                                                                        \
     free(partial);                                                                           \
     return 0;                                                                                \

@@ -182,28 +182,20 @@ class _RMSProjection(torch.autograd.Function):
     """z = (x proj) r, r = 1 / sqrt(mean(x^2) + eps) over x's last dim: RMSNorm(x) proj
     without a norm weight, the normalised x (as large as the state) never made. Backward:
     with gy = dz r, dproj = x^T gy and dx = gy proj^T - (sum(dz (x proj)) r^3 / H) x (added
-    to the slot's sum). Saves x (held by the program) and (T, m) tensors.
-
-    On the CPU, a projection to at most `FUSED_OUTPUTS` columns (dynamic HC's n + 2) runs as
-    one fused kernel per direction (hc_native.py), one pass over x each; a wider one (mHC's
-    n^2 + 2n from n H inputs) has enough arithmetic per element that the BLAS products are
-    faster, with the sum of squares and the x term fused in place around them."""
+    in place to the slot's sum). Saves x (held by the program) and (T, m) tensors. The
+    products are BLAS's (mHC's n^2 + 2n outputs from n H inputs); on the CPU the sum of
+    squares is a fused kernel (one pass, where torch's vecdot takes two)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, proj: torch.Tensor, eps: float, slot: GradSlot | None):
         ctx.slot = slot
         flat = x.reshape(-1, x.shape[-1])
-        if hc_native.usable(flat, proj):
-            flat = flat.contiguous()
-        if _fused(flat, proj):
-            y, sumsq = flat.new_empty(flat.shape[0], proj.shape[1]), flat.new_empty(len(flat))
-            hc_native.call("hc_rms_project", *flat.shape, proj.shape[1], flat,
-                           proj.T.contiguous(), y, sumsq)
-        elif hc_native.usable(flat):
-            y, sumsq = flat @ proj, flat.new_empty(len(flat))
+        y = flat @ proj
+        if hc_native.usable(flat) and flat.is_contiguous():
+            sumsq = flat.new_empty(len(flat))
             hc_native.call("hc_sumsq", *flat.shape, flat, sumsq)
         else:
-            y, sumsq = flat @ proj, torch.linalg.vecdot(flat, flat)
+            sumsq = torch.linalg.vecdot(flat, flat)
         r = torch.rsqrt(sumsq / flat.shape[-1] + eps).unsqueeze(1)
         ctx.save_for_backward(x, proj, y, r)
         return (y * r).view(*x.shape[:-1], proj.shape[-1])
@@ -212,31 +204,78 @@ class _RMSProjection(torch.autograd.Function):
     def backward(ctx, dz: torch.Tensor):
         x, proj, y, r = ctx.saved_tensors
         flat = x.reshape(-1, x.shape[-1])
-        dz = dz.reshape(y.shape).contiguous()
+        dz = dz.reshape(y.shape)
+        gy = dz * r
+        dproj = torch.mm(gy.T, flat).T
+        coef = -(dz * y).sum(1, keepdim=True) * (r * r * r) / flat.shape[-1]
         dx = _sum_so_far(ctx.slot, flat)
-        if _fused(flat, proj, dz):
-            add = dx is not None
-            dx = dx if add else torch.empty_like(flat)
-            dprojT = proj.new_empty(proj.shape[1], proj.shape[0])
-            hc_native.call("hc_rms_project_backward", *flat.shape, proj.shape[1],
-                           flat.contiguous(), proj.T.contiguous(), dz, y, r, dx, dprojT,
-                           int(add))
-            dproj = dprojT.T
-        else:
-            gy = dz * r
-            dproj = torch.mm(gy.T, flat).T
-            coef = -(dz * y).sum(1, keepdim=True) * (r * r * r) / flat.shape[-1]
-            dx = torch.addmm(flat * coef, gy, proj.T) if dx is None else \
-                dx.addmm_(gy, proj.T).addcmul_(flat, coef)
+        dx = torch.addmm(flat * coef, gy, proj.T) if dx is None else \
+            dx.addmm_(gy, proj.T).addcmul_(flat, coef)
         dx = _returned(ctx.slot, "project", dx)
         return (None if dx is None else dx.view(x.shape)), dproj, None, None
 
 
-FUSED_OUTPUTS = 8  # the widest projection the fused CPU kernels run (_RMSProjection)
+class _DynamicRead(torch.autograd.Function):
+    """Dynamic HC's weights (`hc_dynamic`) and read (`read`) of one sub-layer as one fused
+    CPU kernel each way (hc_native.py): the state is read once forward (its projection, RMS
+    factors, the weights and h from each token's block in cache) and once backward (h's and
+    the projection's gradients summed in place into the slot), where the separate functions
+    read it twice each and run a dozen small operations on the weights between. Inputs:
+    flat (T, n, H), proj (H, n + 2), scale (2,), Am (n,), Ar (n, n), B (n,), all in the
+    state's dtype; outputs h (T, H), pre (T, n) (for the record, not differentiable),
+    mix (T, n, n) destination-major and post (T, n), as the write takes them."""
+
+    @staticmethod
+    def forward(ctx, flat, proj, scale, am, ar, b, eps: float, slot: GradSlot | None):
+        tokens, n, hidden = flat.shape
+        w = n + 2
+        h = flat.new_empty(tokens, hidden)
+        pre, post, r = (flat.new_empty(tokens, n) for _ in range(3))
+        mix = flat.new_empty(tokens, n, n)
+        y, z = flat.new_empty(tokens, n, w), flat.new_empty(tokens, n, w)
+        proj_t = proj.T.contiguous()
+        hc_native.call("hc_dynamic_read", tokens, n, hidden, flat, proj_t, am, ar, b, scale,
+                       eps, h, pre, mix, post, y, z, r)
+        ctx.slot = slot
+        ctx.save_for_backward(flat, proj_t, scale, pre, y, z, r)
+        ctx.mark_non_differentiable(pre)
+        return h, pre, mix, post
+
+    @staticmethod
+    def backward(ctx, dh, _dpre, dmix, dpost):
+        flat, proj_t, scale, pre, y, z, r = ctx.saved_tensors
+        tokens, n, hidden = flat.shape
+        dh, dmix, dpost = (torch.zeros(shape, dtype=flat.dtype) if g is None else g.contiguous()
+                           for g, shape in ((dh, (tokens, hidden)), (dmix, (tokens, n, n)),
+                                            (dpost, (tokens, n))))
+        dflat = _sum_so_far(ctx.slot, flat)
+        add = dflat is not None
+        dflat = dflat if add else torch.empty_like(flat)
+        dproj_t = torch.empty_like(proj_t)
+        dam, db, dscale = flat.new_empty(n), flat.new_empty(n), flat.new_empty(2)
+        dar = flat.new_empty(n, n)
+        hc_native.call("hc_dynamic_read_backward", tokens, n, hidden, flat, proj_t, scale, pre,
+                       y, z, r, dh, dmix, dpost, dflat, int(add), dproj_t, dam, dar, db,
+                       dscale)
+        return (_returned(ctx.slot, "project", dflat), dproj_t.T, dscale, dam, dar, db, None,
+                None)
 
 
-def _fused(flat: torch.Tensor, proj: torch.Tensor, *more: torch.Tensor) -> bool:
-    return proj.shape[1] <= FUSED_OUTPUTS and hc_native.usable(flat, proj, *more)
+def dynamic_read(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,
+                 pre: torch.Tensor, res: torch.Tensor, post: torch.Tensor, eps: float,
+                 slot: GradSlot | None = None):
+    """`hc_dynamic` then `read` as one fused function (`_DynamicRead`): (h (..., H),
+    pre (..., n), mix (..., n, n) destination-major, post (..., n)); None where the fused
+    kernels cannot serve the state (then the separate functions run)."""
+    if not hc_native.usable(state):
+        return None
+    dtype, n = state.dtype, state.shape[-2]
+    flat = state.reshape(-1, *state.shape[-2:]).contiguous()
+    params = (w.to(dtype).contiguous() for w in (proj, scale, pre, res, post))
+    h, pre, mix, post = _DynamicRead.apply(flat, *params, eps, slot)
+    lead = state.shape[:-2]
+    return (h.view(*lead, state.shape[-1]), pre.view(*lead, n), mix.view(*lead, n, n),
+            post.view(*lead, n))
 
 
 def mhc_weights(state: torch.Tensor, proj: torch.Tensor, scale: torch.Tensor,

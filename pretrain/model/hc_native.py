@@ -37,13 +37,15 @@ SIGNATURES = {
     "hc_write": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT),
     "hc_write_backward": (_I64, _I64, _I64) + (_PTR,) * 9 + (_INT,),
     "hc_sumsq": (_I64, _I64, _PTR, _PTR, _INT),
-    "hc_rms_project": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT),
-    "hc_rms_project_backward": (_I64, _I64, _I64) + (_PTR,) * 7 + (_INT, _INT),
+    "hc_dynamic_read": (_I64, _I64, _I64) + (_PTR,) * 6 + (ctypes.c_double,) + (_PTR,) * 7
+                       + (_INT,),
+    "hc_dynamic_read_backward": (_I64, _I64, _I64) + (_PTR,) * 11 + (_INT,)
+                                + (_PTR,) * 5 + (_INT,),
     "hc_sinkhorn": (_I64, _I64, _I64, _PTR, _PTR, _INT),
     "hc_sinkhorn_backward": (_I64, _I64, _I64, _PTR, _PTR, _PTR, _INT),
 }
 # Kernels that return 0, or 1 when out of memory (`call` raises MemoryError for it).
-RETURNS_STATUS = ("hc_rms_project_backward", "hc_sinkhorn", "hc_sinkhorn_backward")
+RETURNS_STATUS = ("hc_dynamic_read_backward", "hc_sinkhorn", "hc_sinkhorn_backward")
 
 
 def cache_dir() -> Path:
