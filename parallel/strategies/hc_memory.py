@@ -16,8 +16,10 @@ rank's slice of the sequence, without it on the whole sequence on every TP rank)
 - `hc_mixes`, per sub-layer, what its weights keep besides the state: the read's pre
   (T, n), the write's destination-major mix (T, n, n) (a contiguous copy: Ar^T for HC, the
   Sinkhorn output's token-major layout for mHC) and post (T, n): static weights too, expanded
-  to every token and copied (`_per_token`). Dynamic HC adds its `_RMSProjection`'s x proj
-  (T n, n + 2) and RMS factor (T n), the tanh output (T, n, n + 2) and the (n + 2) gains.
+  to every token and copied (`_per_token`). Dynamic HC adds the projection of the streams
+  y (T n, n + 2), its tanh z (T, n, n + 2) and the RMS factors (T n), which the fused CPU
+  kernel's function saves (`_DynamicRead`; the separate torch functions that run on a GPU
+  also keep the n + 2 gains, 4 (n + 2) bytes a sub-layer more).
   mHC adds, with m = n^2 + 2n: the projection's x proj (T, m) and RMS factor (T), its
   output z (T, m) and the m gains that the addcmul saves, the sigmoid of the post logits
   beside post = 2 sigmoid (pre is its sigmoid's own output), and the logits that the
@@ -75,7 +77,7 @@ def mix_bytes(layout: HCLayout, c: int, shape) -> int:
         logits = tokens * m * e if e >= FP32 else tokens * n * n * FP32
         total += (tokens * (2 * m + 1 + n) + m) * e + logits
     elif layout.dynamic:
-        total += (tokens * n * (2 * (n + 2) + 1) + n + 2) * e
+        total += tokens * n * (2 * (n + 2) + 1) * e
     return total
 
 

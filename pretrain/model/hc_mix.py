@@ -237,13 +237,14 @@ class _DynamicRead(torch.autograd.Function):
         hc_native.call("hc_dynamic_read", tokens, n, hidden, flat, proj_t, am, ar, b, scale,
                        eps, h, pre, mix, post, y, z, r)
         ctx.slot = slot
-        ctx.save_for_backward(flat, proj_t, scale, pre, y, z, r)
+        ctx.save_for_backward(flat, proj, scale, pre, y, z, r)  # proj, not its transposed copy
         ctx.mark_non_differentiable(pre)
         return h, pre, mix, post
 
     @staticmethod
     def backward(ctx, dh, _dpre, dmix, dpost):
-        flat, proj_t, scale, pre, y, z, r = ctx.saved_tensors
+        flat, proj, scale, pre, y, z, r = ctx.saved_tensors
+        proj_t = proj.T.contiguous()
         tokens, n, hidden = flat.shape
         dh, dmix, dpost = (torch.zeros(shape, dtype=flat.dtype) if g is None else g.contiguous()
                            for g, shape in ((dh, (tokens, hidden)), (dmix, (tokens, n, n)),
