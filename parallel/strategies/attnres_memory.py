@@ -16,9 +16,7 @@ consumers 1..L + 1, groups of S sub-layers, X_j the held running sums). Per toke
 - the effective queries w_c * g_c, (L + 1, H) in the parameters' dtype, once.
 
 A block runs as its two branches (`ActivationShape.attention_branch`, `mlp_branch`), each
-keeping its input, the mix output (a stream tensor: the mix casts to its sources' dtype):
-one tensor more than `ActivationShape.block`, the (tokens, H) copy of the attention output
-that the projection reads.
+keeping its input, the mix output (a stream tensor: the mix casts to its sources' dtype).
 
 Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers):
 

@@ -26,11 +26,9 @@ rank's slice of the sequence, without it on the whole sequence on every TP rank)
   Sinkhorn function saves to recompute its iterates (T, m; the fp32 copy of the (T, n^2)
   res logits when the stream is narrower).
 - `blocks`: each sub-layer's branch internals (`ActivationShape.attention_branch`,
-  `mlp_branch`, as Attention Residuals count them, less the repeated k and v that
-  `attention_branch` counts under grouped-query attention and fp32 SDPA does not keep)
-  plus its input h_c (the read's output, which the branch's norm saves) and its output
-  T_c(h_c) in the stream's dtype (the write saves it: a copy when the branch computes in a
-  narrower dtype), two stream tensors.
+  `mlp_branch`, as Attention Residuals count them) plus its input h_c (the read's output,
+  which the branch's norm saves) and its output T_c(h_c) in the stream's dtype (the write
+  saves it: a copy when the branch computes in a narrower dtype), two stream tensors.
 
 Modes (parallel/strategies/checkpointing.py, units of n blocks = 2n sub-layers): a unit's
 first read and its write are one step, so every unit recomputes its entry mix from the state
@@ -55,7 +53,6 @@ tests/test_memory_hc.py, the whole model and each pipeline stage.
 
 from __future__ import annotations
 
-from parallel.strategies.mudd_memory import _gqa_repeats
 from pretrain.model.config import DenseFormerConfig
 from pretrain.model.hc_program import HCLayout
 
@@ -82,11 +79,8 @@ def mix_bytes(layout: HCLayout, c: int, shape) -> int:
 
 
 def sublayer_bytes(model: DenseFormerConfig, shape, c: int) -> int:
-    """Bytes sub-layer c's branch keeps, with its input h_c and its output (the attention
-    without the repeated k and v of grouped-query attention, which fp32 SDPA does not keep:
-    mudd_memory.py)."""
-    branch = shape.attention_branch - _gqa_repeats(model, shape) if c % 2 \
-        else shape.mlp_branch
+    """Bytes sub-layer c's branch keeps, with its input h_c and its output."""
+    branch = shape.attention_branch if c % 2 else shape.mlp_branch
     return branch + 2 * shape.stream_tensor
 
 

@@ -35,16 +35,17 @@ For every rank of the TP x DP x PP grid (rank = tp + TP (dp + DP pp)) it prints:
   whole step (`autocast_weight_copies`), and on the last stage the chunked loss's working
   set (`loss_working_set`), both in the total.
 
-A block keeps (10 + 2 r) hidden-size tensors when it is not checkpointed (r = mlp_ratio):
+A block keeps (11 + 2 r) hidden-size tensors when it is not checkpointed (r = mlp_ratio):
 its input, the two LayerNorm outputs, the residual h, q and k after RoPE, the qkv output
-(3, v is a view of it), the attention output, the MLP's up-projection and GELU outputs
-(r each); under TP everything but the LayerNorm region is split; under sequence parallelism
-that region too. Plus LayerNorm statistics and the attention log-sum-exp. Llama blocks
-(`model.block: llama`) keep SwiGLU's four ffn-wide tensors (gate, up, silu, product) instead
-of two, narrower k and v under grouped-query attention plus the copies SDPA's CPU path
-repeats them into, and one more tensor per RMSNorm.
+(3, v is a view of it), the attention output and the contiguous copy of it that the output
+projection reads, the MLP's up-projection and GELU outputs (r each); under TP everything but
+the LayerNorm region is split; under sequence parallelism that region too. Plus LayerNorm
+statistics and the attention log-sum-exp. Llama blocks (`model.block: llama`) keep SwiGLU's
+four ffn-wide tensors (gate, up, silu, product) instead of two, narrower k and v under
+grouped-query attention (plus, in a narrower matmul dtype, the copies SDPA's CPU path
+repeats them into: `ActivationShape.gqa_repeats`), and one more tensor per RMSNorm.
 The LM head keeps Y_d, the norm's statistics, dL/dh (B x S x H) and dL/dW (V / TP x H).
-Checked against autograd (parallel/strategies/memory_probe.py) at fp32 on CPU:
+Checked against autograd (parallel/strategies/memory_probe.py) at fp32 on CPU, exactly:
 tests/test_memory.py. Under autocast the residual stream and LayerNorm inputs stay fp32 and
 the matmul operands are bf16; with DeepSpeed's bf16 everything is.
 
@@ -308,6 +309,7 @@ class ActivationShape:
         # The MLP's inputs to its nonlinearity and fc_out: GELU's 2, SwiGLU's 4 (gate, up,
         # silu, product).
         split = (self._attention_elements + (4 if self.llama else 2) * ffn) * p.matmul // self.tp
+        split += self.gqa_repeats
         # Per token: mean and rstd of two LayerNorms, or the rstd of two RMSNorms, whose
         # composite form also keeps the normalised input beside its output (one tensor each).
         stats = (2 if self.llama else 4) * FP32 * self.tokens // self.seq_split
@@ -318,22 +320,34 @@ class ActivationShape:
 
     @property
     def _attention_elements(self) -> int:
-        """Elements the attention keeps: q, k after RoPE, the qkv output (q, k, v), the
-        attention output and, for grouped-query attention, the copies of k and v repeated
-        to every query head that SDPA's CPU path keeps (fused GPU kernels need not)."""
+        """Elements the attention keeps (besides the repeated k and v, `gqa_repeats`): q, k
+        after RoPE, the qkv output (q, k, v), the attention output and the (tokens, H)
+        contiguous copy of it that the output projection reads."""
         s = self.tokens * self.hidden
         kv = s * (self.kv_heads or self.heads) // self.heads  # one k (or v) tensor
-        return s + kv + (s + 2 * kv) + s + 2 * (s - kv)
+        return s + kv + (s + 2 * kv) + s + s
+
+    @property
+    def gqa_repeats(self) -> int:
+        """Bytes of the copies of k and v repeated to every query head that SDPA's CPU path
+        keeps under grouped-query attention in a narrower matmul dtype (bf16: measured);
+        fp32 SDPA on torch 2.13 takes k and v as they are (measured), and fused GPU kernels
+        need not repeat them."""
+        if self.precision.matmul >= FP32:
+            return 0
+        s = self.tokens * self.hidden
+        kv = s * (self.kv_heads or self.heads) // self.heads
+        return 2 * (s - kv) * self.precision.matmul // self.tp
 
     @property
     def attention_branch(self) -> int:
         """Bytes the attention half of a block run alone (an AttnRes branch) keeps besides
         its input: the norm's output and statistics, q and k after RoPE, the qkv output, the
-        attention output and the (tokens, H) copy of it that the projection reads (one
-        tensor more than `block` counts for the two halves' inputs: measured exactly)."""
-        copy = self.tokens * self.hidden
-        attention = (self._attention_elements + copy) * self.precision.matmul // self.tp
-        return attention + FP32 * self.tokens * (self.heads // self.tp) + self._norm_half
+        attention output and the (tokens, H) copy of it that the projection reads, and the
+        repeated k and v where they are kept (`gqa_repeats`)."""
+        attention = self._attention_elements * self.precision.matmul // self.tp
+        return attention + self.gqa_repeats + FP32 * self.tokens * (self.heads // self.tp) + \
+            self._norm_half
 
     @property
     def mlp_branch(self) -> int:

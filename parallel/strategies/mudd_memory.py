@@ -97,20 +97,11 @@ def _qkvr_attention(model: DenseFormerConfig, shape) -> int:
     return elements * p.matmul // shape.tp + copies + lse + 3 * shape._norm_half
 
 
-def _gqa_repeats(model: DenseFormerConfig, shape) -> int:
-    """Bytes of the repeated k and v that `ActivationShape.attention_branch` counts under
-    grouped-query attention and fp32 SDPA on torch 2.13 does not keep (measured: it takes
-    k and v as they are); the DWA's estimate keeps them, within its tolerance."""
-    s = shape.tokens * shape.hidden
-    kv = s * model.kv_heads // model.n_heads
-    return 2 * (s - kv) * shape.precision.matmul // shape.tp
-
-
 def block_bytes(model: DenseFormerConfig, shape) -> int:
     """Bytes one non-checkpointed block keeps besides its input: H and its two halves."""
     layout = model.mudd_layout
     attention = _qkvr_attention(model, shape) if layout.streams == "qkvr" \
-        else shape.attention_branch - _gqa_repeats(model, shape)
+        else shape.attention_branch
     return shape.stream_tensor + attention + shape.mlp_branch
 
 
