@@ -140,23 +140,27 @@ class HCConnections:
                                         res, post, self.eps, slot)
         return pre, res.mT, post  # X'[k] = sum_l Ar[l, k] X[l]
 
+    def fused_read(self, c: int, state: torch.Tensor, slot: GradSlot | None):
+        """Dynamic HC's (h, pre, mix, post) of sub-layer c from one fused CPU kernel, or None
+        (static HC, mHC, or a state the kernels do not serve)."""
+        if self.layout.kind != "hc" or not self.layout.dynamic:
+            return None
+        row = self.row
+        return dynamic_read(state, row("hc_proj", c), row("hc_scale", c), row("hc_pre", c),
+                            row("hc_res", c), row("hc_post", c), self.eps, slot)
+
     def mix(self, source: Source, handles: list, live: torch.Tensor | None) -> torch.Tensor:
         c, (state,) = source.index, handles
         with no_autocast(state):
             if c == self.layout.n_sublayers + 1:  # the model output
                 return state.sum(-2)
             slot = self.slot()
-            fused = None
-            if self.layout.kind == "hc" and self.layout.dynamic:
-                row = self.row
-                fused = dynamic_read(state, row("hc_proj", c), row("hc_scale", c),
-                                     row("hc_pre", c), row("hc_res", c), row("hc_post", c),
-                                     self.eps, slot)
-            if fused is not None:
-                h, pre, mix, post = fused
-            else:
+            fused = self.fused_read(c, state, slot)
+            if fused is None:
                 pre, mix, post = self.weights(c, state, slot)
                 h = read(pre, state, slot)
+            else:
+                h, pre, mix, post = fused
             if self.record is not None:
                 self.record[c] = tuple(w.detach() for w in (pre, mix, post))
             self.pending[c] = (mix, post, slot)

@@ -12,6 +12,11 @@ or (S, B, n, H) under sequence parallelism); every weight below is per token (..
 
 Autocast is off here (`no_autocast`): the mixes run in the state's dtype (fp32 for an fp32
 module under autocast: the embedding's), the Sinkhorn iterations in fp32 at least.
+
+Each autograd function runs the fused C kernels of hc_native.py on CPU fp32/fp64 tensors
+and the same products as torch operations elsewhere (GPUs, torch.compile, no compiler);
+`dynamic_read` is `hc_dynamic` and `read` as one kernel. The three gradients of a state
+(its write's, its read's, its projection's) are summed in place in one `GradSlot`.
 """
 
 from __future__ import annotations
