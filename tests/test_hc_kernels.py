@@ -145,6 +145,17 @@ def test_without_a_compiler_torch_runs_and_the_log_says_why(monkeypatch, caplog)
     assert hc_native.lib.__wrapped__() is None
 
 
+def test_an_unusable_kernel_cache_falls_back_naming_it(tmp_path, monkeypatch, caplog):
+    """A cache path that cannot be a directory (here: under a file) is a warning naming the
+    path, and torch runs."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("DENSEFORMER_KERNEL_CACHE", str(blocker / "kernels"))
+    with caplog.at_level(logging.WARNING, logger=hc_native.__name__):
+        assert hc_native.lib.__wrapped__() is None
+    assert str(blocker) in caplog.text
+
+
 def test_build_is_cached_per_source_and_a_failing_compiler_falls_back(tmp_path, monkeypatch,
                                                                       caplog):
     """The second build finds the first's library (no compile); a compiler that fails is

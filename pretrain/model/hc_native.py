@@ -93,7 +93,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(build()))
-    except (OSError, subprocess.CalledProcessError) as err:
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as err:  # RuntimeError: no home
         detail = getattr(err, "stderr", "") or err
         log.warning("Hyper-Connections: the fused CPU kernels (%s) could not be built, torch "
                     "operations run instead: %s", SOURCE.name, str(detail).strip()[:500])
