@@ -227,6 +227,36 @@ def relative_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
     return ((grad - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def step_gradient_errors(runner, tokens, case: dict, dp: int, ref_loss: float,
+                         ref_grads: dict) -> dict[str, float]:
+    """One train step of a PipelineRunner on this DP rank's share of `tokens` (`case`'s
+    micro-batches), its gradients reduced as the trainer reduces them (averaged over DP;
+    under sequence parallelism the replicated weights' partial sums added over TP). Asserts
+    the loss equals `ref_loss` to 1e-5; returns each parameter's relative gradient error
+    against `ref_grads` (gathered over TP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from parallel.primitives.tensor import allreduce_sequence_parallel_grads
+    from pretrain.model.state import _gather_full
+
+    local = tokens.chunk(dp)[ps.get_data_parallel_rank()]
+    loss = runner.train_step(local[:, :-1], local[:, 1:]) / case["microbatches"]
+    model = runner.model
+    if dp > 1:  # as the trainer's average_gradients
+        group = ps.get_data_parallel_group()
+        for param in model.parameters():
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= dp
+        dist.all_reduce(loss, group=group)
+        loss /= dp
+    if case.get("sequence_parallel"):
+        allreduce_sequence_parallel_grads(model, model.tp_group)
+    assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
+    return {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
+            for name, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("mode", ["raw", "optimal"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -266,12 +296,9 @@ def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpo
 def pipeline_cases(cases: list[dict], dp: int) -> dict:
     """Run each case on this rank; returns {case id: worst relative gradient error}."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from parallel.strategies.pipeline import PipelineRunner
-    from pretrain.model.state import _gather_full
 
-    dp_rank, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
     worst = {}
     for case in cases:
         state, tokens, ref_loss, ref_grads = case["reference"]
@@ -283,21 +310,7 @@ def pipeline_cases(cases: list[dict], dp: int) -> dict:
             transfer=case["mode"], seed=3, activation_checkpointing=case["checkpointing"],
             sequence_parallel=case.get("sequence_parallel", False))
         runner.load_model_state(state)
-        local = tokens.chunk(dp)[dp_rank]
-        loss = runner.train_step(local[:, :-1], local[:, 1:]) / m
-        model = runner.model
-        if dp > 1:  # as the trainer's average_gradients
-            for param in model.parameters():
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad /= dp
-            dist.all_reduce(loss, group=dp_group)
-            loss /= dp
-        from parallel.primitives.tensor import allreduce_sequence_parallel_grads
-
-        allreduce_sequence_parallel_grads(model, model.tp_group)
-        assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
-        errors = {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
-                  for name, p in model.named_parameters()}
+        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
         name = max(errors, key=errors.get)
         assert errors[name] < 1e-5, (case["id"], name, errors[name])
         worst[case["id"]] = errors[name]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed_test
-from tests.test_pipeline import random_splits, relative_error
+from tests.test_pipeline import random_splits, relative_error, step_gradient_errors
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8, connection="attnres")
 MODELS = {  # name -> (n_layers, attnres_blocks, extra DenseFormerConfig fields)
@@ -249,10 +249,8 @@ def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing
 def attnres_cases(cases: list[dict], dp: int = 1) -> dict:
     """Run each case on this rank; returns {case id: worst relative gradient error}."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from parallel.strategies.pipeline import PipelineRunner
-    from pretrain.model.state import _gather_full
 
     worst = {}
     for case in cases:
@@ -264,22 +262,7 @@ def attnres_cases(cases: list[dict], dp: int = 1) -> dict:
             pp_split=case["split"], transfer=case["mode"], seed=3,
             sequence_parallel=case["sequence_parallel"])
         runner.load_model_state(state)
-        local = tokens.chunk(dp)[ps.get_data_parallel_rank()]
-        loss = runner.train_step(local[:, :-1], local[:, 1:]) / m
-        model = runner.model
-        if dp > 1:  # as the trainer's average_gradients
-            for param in model.parameters():
-                dist.all_reduce(param.grad, group=ps.get_data_parallel_group())
-                param.grad /= dp
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss /= dp
-        if case["sequence_parallel"]:  # as the trainer: the replicated weights' partial sums
-            from parallel.primitives.tensor import allreduce_sequence_parallel_grads
-
-            allreduce_sequence_parallel_grads(model, model.tp_group)
-        assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
-        errors = {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
-                  for name, p in model.named_parameters()}
+        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
         name = max(errors, key=errors.get)
         assert errors[name] < case["grad_tolerance"], (case["id"], name, errors[name])
         worst[case["id"]] = errors[name]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed_test
-from tests.test_pipeline import random_splits, relative_error
+from tests.test_pipeline import random_splits, relative_error, step_gradient_errors
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8, connection="mudd")
 MODELS = {  # name -> (n_layers, dynamic, streams, extra DenseFormerConfig fields)
@@ -197,10 +197,8 @@ def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing
 def mudd_cases(cases: list[dict], dp: int = 1) -> dict:
     """Run each case on this rank; returns {case id: worst relative gradient error}."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from parallel.strategies.pipeline import PipelineRunner
-    from pretrain.model.state import _gather_full
 
     worst = {}
     for case in cases:
@@ -214,22 +212,7 @@ def mudd_cases(cases: list[dict], dp: int = 1) -> dict:
         runner.load_model_state(state)
         sent = [item for p in runner.plan.programs for item in p.outgoing]
         assert any(item.kind != "x" for item in sent) == case["partial"], case["id"]
-        local = tokens.chunk(dp)[ps.get_data_parallel_rank()]
-        loss = runner.train_step(local[:, :-1], local[:, 1:]) / m
-        model = runner.model
-        if dp > 1:  # as the trainer's average_gradients
-            for param in model.parameters():
-                dist.all_reduce(param.grad, group=ps.get_data_parallel_group())
-                param.grad /= dp
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss /= dp
-        if case["sequence_parallel"]:  # as the trainer: the replicated weights' partial sums
-            from parallel.primitives.tensor import allreduce_sequence_parallel_grads
-
-            allreduce_sequence_parallel_grads(model, model.tp_group)
-        assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
-        errors = {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
-                  for name, p in model.named_parameters()}
+        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
         name = max(errors, key=errors.get)
         assert errors[name] < case["grad_tolerance"], (case["id"], name, errors[name])
         worst[case["id"]] = errors[name]
