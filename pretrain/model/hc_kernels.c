@@ -24,11 +24,23 @@
 #define HOT
 #endif
 
-/* exp and expf over SIMD lanes: glibc's vector variants (libmvec, linked with -lm, each
+/* exp, expf, tanh and tanhf over SIMD lanes: glibc's vector variants (libmvec, linked with -lm, each
    within a few ulp), which math.h declares only under -ffast-math. */
 #if defined(__GLIBC__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((simd("notinbranch"))) float expf(float);
 __attribute__((simd("notinbranch"))) double exp(double);
+#if __GLIBC_PREREQ(2, 35) /* libmvec's tanh */
+__attribute__((simd("notinbranch"))) float tanhf(float);
+__attribute__((simd("notinbranch"))) double tanh(double);
+#endif
+#endif
+
+/* The per-token helpers: inlined into each caller, so that each compiles for its clone's
+   instruction set (a helper called from two kernels would otherwise be one baseline copy). */
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
 #endif
 
 #define OMP_FOR _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)")
@@ -39,10 +51,36 @@ __attribute__((simd("notinbranch"))) double exp(double);
 #define VL 16    /* tokens per Sinkhorn block, one per SIMD lane */
 #define LANES _Pragma("omp simd") for (int64_t v = 0; v < VL; v++)
 
-#define KERNELS(real, sfx, EXP)                                                                   \
+/* VL values as one (GCC's vector extension): a loop's partial sums that stay in registers,
+   where an array indexed in the loop goes through memory on every step. Loaded from and
+   stored to any element (unaligned, aliasing the arrays). */
+typedef float vf32 __attribute__((vector_size(VL * sizeof(float)), aligned(4), may_alias));
+typedef double vf64 __attribute__((vector_size(VL * sizeof(double)), aligned(8), may_alias));
+#define LOADV(sfx, p) (*(const v##sfx *)(p))
+#define STOREV(sfx, p, val) (*(v##sfx *)(p) = (val))
+
+/* fn(n, ...) with n a constant for the usual stream counts, so that the loops over the
+   streams unroll and the per-stream partial sums stay in registers; else n as it is. */
+#define BY_STREAMS(fn, n, ...)                                                              \
+    do {                                                                                    \
+        if ((n) == 4) fn(4, __VA_ARGS__);                                                   \
+        else if ((n) == 2) fn(2, __VA_ARGS__);                                              \
+        else fn(n, __VA_ARGS__);                                                            \
+    } while (0)
+
+#define KERNELS(real, sfx, EXP, TANH)                                                        \
+                                                                                             \
+/* The VL lanes' sum, pairwise (the same order every time). */                               \
+INLINE real lanes_sum_##sfx(v##sfx a) {                                                      \
+    real s[VL];                                                                              \
+    memcpy(s, &a, sizeof s);                                                                 \
+    for (int64_t half = VL / 2; half > 0; half /= 2)                                         \
+        for (int64_t i = 0; i < half; i++) s[i] += s[i + half];                              \
+    return s[0];                                                                             \
+}                                                                                            \
                                                                                              \
 /* h[t] = sum_k pre[t, k] X[t, k] */                                                         \
-HOT void hc_read_##sfx(int64_t T, int64_t n, int64_t H, const real *pre, const real *X,     \
+HOT void hc_read_##sfx(int64_t T, int64_t n, int64_t H, const real *pre, const real *X,      \
                        real *h, int threads) {                                               \
     OMP_FOR                                                                                  \
     for (int64_t t = 0; t < T; t++) {                                                        \
@@ -57,7 +95,7 @@ HOT void hc_read_##sfx(int64_t T, int64_t n, int64_t H, const real *pre, const r
 }                                                                                            \
                                                                                              \
 /* dpre[t, k] = <X[t, k], dh[t]>;  dX[t, k] = pre[t, k] dh[t] (+ dX[t, k] if accumulate) */  \
-HOT void hc_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *pre,           \
+HOT void hc_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *pre,            \
                                 const real *X, const real *dh, real *dX, real *dpre,         \
                                 int accumulate, int threads) {                               \
     OMP_FOR                                                                                  \
@@ -78,69 +116,103 @@ HOT void hc_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *pre
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+/* One token's write: y[k] = sum_l m[k, l] x[l] + p[k] u (m destination-major, (n, n)),      \
+   each block of VL elements of y summed in registers and stored once. */                    \
+INLINE void write_token_##sfx(int64_t n, int64_t H, const real *m, const real *x,            \
+                              const real *p, const real *u, real *y) {                       \
+    int64_t e0 = 0;                                                                          \
+    for (; e0 + VL <= H; e0 += VL) {                                                         \
+        v##sfx xb[n];                                                                        \
+        for (int64_t l = 0; l < n; l++) xb[l] = LOADV(sfx, x + l * H + e0);                  \
+        const v##sfx ub = LOADV(sfx, u + e0);                                                \
+        for (int64_t k = 0; k < n; k++) {                                                    \
+            v##sfx yb = p[k] * ub;                                                           \
+            for (int64_t l = 0; l < n; l++) yb += m[k * n + l] * xb[l];                      \
+            STOREV(sfx, y + k * H + e0, yb);                                                 \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t k = 0; k < n; k++)                                                          \
+        for (int64_t e = e0; e < H; e++) {                                                   \
+            real a = p[k] * u[e];                                                            \
+            for (int64_t l = 0; l < n; l++) a += m[k * n + l] * x[l * H + e];                \
+            y[k * H + e] = a;                                                                \
+        }                                                                                    \
+}                                                                                            \
+                                                                                             \
 /* Y[t, k] = sum_l mix[t, k, l] X[t, l] + post[t, k] out[t] */                               \
-HOT void hc_write_##sfx(int64_t T, int64_t n, int64_t H, const real *mix, const real *X,    \
+HOT void hc_write_##sfx(int64_t T, int64_t n, int64_t H, const real *mix, const real *X,     \
                         const real *post, const real *out, real *Y, int threads) {           \
     OMP_FOR                                                                                  \
-    for (int64_t t = 0; t < T; t++) {                                                        \
-        const real *x = X + t * n * H, *u = out + t * H, *m = mix + t * n * n;               \
-        for (int64_t k = 0; k < n; k++) {                                                    \
-            real *y = Y + (t * n + k) * H;                                                   \
-            const real b = post[t * n + k];                                                  \
-            for (int64_t e = 0; e < H; e++) y[e] = b * u[e];                                 \
-            for (int64_t l = 0; l < n; l++) {                                                \
-                const real w = m[k * n + l], *xl = x + l * H;                                \
-                for (int64_t e = 0; e < H; e++) y[e] += w * xl[e];                           \
-            }                                                                                \
+    for (int64_t t = 0; t < T; t++)                                                          \
+        BY_STREAMS(write_token_##sfx, n, H, mix + t * n * n, X + t * n * H, post + t * n,    \
+                   out + t * H, Y + t * n * H);                                              \
+}                                                                                            \
+                                                                                             \
+/* One token's write backward for its gradient g (n, H): dx[l] = sum_k m[k, l] g[k],         \
+   dm[k, l] = <g[k], x[l]>, dp[k] = <g[k], u>, du = sum_k p[k] g[k]: the n + 1 sums of each  \
+   g[k] in one pass (VL partial sums each, in registers), then du and dx in one more. */     \
+INLINE void write_backward_token_##sfx(int64_t n, int64_t H, const real *m, const real *x,   \
+                                       const real *p, const real *u, const real *g,          \
+                                       real *dx, real *dm, real *dp, real *du) {             \
+    for (int64_t k = 0; k < n; k++) {                                                        \
+        const real *gk = g + k * H;                                                          \
+        v##sfx s[n + 1];                                                                     \
+        for (int64_t l = 0; l <= n; l++) s[l] = (v##sfx){0};                                 \
+        int64_t e0 = 0;                                                                      \
+        for (; e0 + VL <= H; e0 += VL) {                                                     \
+            const v##sfx gb = LOADV(sfx, gk + e0);                                           \
+            s[0] += gb * LOADV(sfx, u + e0);                                                 \
+            for (int64_t l = 0; l < n; l++) s[1 + l] += gb * LOADV(sfx, x + l * H + e0);     \
+        }                                                                                    \
+        for (int64_t l = 0; l <= n; l++) {                                                   \
+            const real *v = l == 0 ? u : x + (l - 1) * H;                                    \
+            real a = lanes_sum_##sfx(s[l]);                                                  \
+            for (int64_t e = e0; e < H; e++) a += gk[e] * v[e];                              \
+            if (l == 0) dp[k] = a;                                                           \
+            else dm[k * n + l - 1] = a;                                                      \
+        }                                                                                    \
+    }                                                                                        \
+    int64_t e0 = 0;                                                                          \
+    for (; e0 + VL <= H; e0 += VL) {                                                         \
+        v##sfx gb[n];                                                                        \
+        for (int64_t k = 0; k < n; k++) gb[k] = LOADV(sfx, g + k * H + e0);                  \
+        v##sfx ub = p[0] * gb[0];                                                            \
+        for (int64_t k = 1; k < n; k++) ub += p[k] * gb[k];                                  \
+        STOREV(sfx, du + e0, ub);                                                            \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            v##sfx db = m[l] * gb[0];                                                        \
+            for (int64_t k = 1; k < n; k++) db += m[k * n + l] * gb[k];                      \
+            STOREV(sfx, dx + l * H + e0, db);                                                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t e = e0; e < H; e++) {                                                       \
+        real a = p[0] * g[e];                                                                \
+        for (int64_t k = 1; k < n; k++) a += p[k] * g[k * H + e];                            \
+        du[e] = a;                                                                           \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            real d = m[l] * g[e];                                                            \
+            for (int64_t k = 1; k < n; k++) d += m[k * n + l] * g[k * H + e];                \
+            dx[l * H + e] = d;                                                               \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
 /* The write's backward for the gradient dY: dX[t, l] = sum_k mix[t, k, l] dY[t, k],         \
-   dmix[t, k, l] = <dY[t, k], X[t, l]>, dpost[t, k] = <dY[t, k], out[t]>,                   \
+   dmix[t, k, l] = <dY[t, k], X[t, l]>, dpost[t, k] = <dY[t, k], out[t]>,                    \
    dout[t] = sum_k post[t, k] dY[t, k]. */                                                   \
-HOT void hc_write_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *mix,          \
+HOT void hc_write_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *mix,           \
                                  const real *X, const real *post, const real *out,           \
                                  const real *dY, real *dX, real *dmix, real *dpost,          \
                                  real *dout, int threads) {                                  \
     OMP_FOR                                                                                  \
-    for (int64_t t = 0; t < T; t++) {                                                        \
-        const real *x = X + t * n * H, *u = out + t * H, *m = mix + t * n * n;               \
-        const real *g = dY + t * n * H;                                                      \
-        real *dx = dX + t * n * H, *du = dout + t * H;                                       \
-        for (int64_t k = 0; k < n; k++) {                                                    \
-            const real *gk = g + k * H;                                                      \
-            real dot = 0;                                                                    \
-            SIMD_SUM(dot)                                                                    \
-            for (int64_t e = 0; e < H; e++) dot += gk[e] * u[e];                             \
-            dpost[t * n + k] = dot;                                                          \
-            for (int64_t l = 0; l < n; l++) {                                                \
-                const real *xl = x + l * H;                                                  \
-                real s = 0;                                                                  \
-                SIMD_SUM(s)                                                                  \
-                for (int64_t e = 0; e < H; e++) s += gk[e] * xl[e];                          \
-                dmix[(t * n + k) * n + l] = s;                                               \
-            }                                                                                \
-        }                                                                                    \
-        for (int64_t e = 0; e < H; e++) du[e] = post[t * n] * g[e];                          \
-        for (int64_t k = 1; k < n; k++) {                                                    \
-            const real b = post[t * n + k], *gk = g + k * H;                                 \
-            for (int64_t e = 0; e < H; e++) du[e] += b * gk[e];                              \
-        }                                                                                    \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            real *d = dx + l * H;                                                            \
-            const real w0 = m[l];                                                            \
-            for (int64_t e = 0; e < H; e++) d[e] = w0 * g[e];                                \
-            for (int64_t k = 1; k < n; k++) {                                                \
-                const real w = m[k * n + l], *gk = g + k * H;                                \
-                for (int64_t e = 0; e < H; e++) d[e] += w * gk[e];                           \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
+    for (int64_t t = 0; t < T; t++)                                                          \
+        BY_STREAMS(write_backward_token_##sfx, n, H, mix + t * n * n, X + t * n * H,         \
+                   post + t * n, out + t * H, dY + t * n * H, dX + t * n * H,                \
+                   dmix + t * n * n, dpost + t * n, dout + t * H);                           \
 }                                                                                            \
                                                                                              \
-/* s[r] = <x[r], x[r]> over `rows` rows of `len` */                                        \
-HOT void hc_sumsq_##sfx(int64_t rows, int64_t len, const real *x, real *s, int threads) {   \
+/* s[r] = <x[r], x[r]> over `rows` rows of `len` */                                          \
+HOT void hc_sumsq_##sfx(int64_t rows, int64_t len, const real *x, real *s, int threads) {    \
     OMP_FOR                                                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                     \
         const real *v = x + r * len;                                                         \
@@ -151,150 +223,164 @@ HOT void hc_sumsq_##sfx(int64_t rows, int64_t len, const real *x, real *s, int t
     }                                                                                        \
 }                                                                                            \
                                                                                              \
+/* One token's dynamic HC weights and read (hc_dynamic_read): x (n, H) -> h (H), p, post     \
+   (n), mix (n, n), yt, zt (n, w), r (n). Each stream's w + 1 sums in one pass (VL partial   \
+   sums each, in registers); the token's n w tanh in one SIMD loop. */                       \
+INLINE void dynamic_read_token_##sfx(int64_t n, int64_t H, const real *x, const real *projT, \
+                                     const real *Am, const real *Ar, const real *B, real sa, \
+                                     real sb, double eps, real *h, real *p, real *mix,       \
+                                     real *post, real *yt, real *zt, real *r) {              \
+    const int64_t w = n + 2;                                                                 \
+    for (int64_t l = 0; l < n; l++) {                                                        \
+        const real *xl = x + l * H;                                                          \
+        v##sfx s[w + 1]; /* |X[l]|^2, then the w products */                                 \
+        for (int64_t j = 0; j <= w; j++) s[j] = (v##sfx){0};                                 \
+        int64_t e0 = 0;                                                                      \
+        for (; e0 + VL <= H; e0 += VL) {                                                     \
+            const v##sfx xb = LOADV(sfx, xl + e0);                                           \
+            s[0] += xb * xb;                                                                 \
+            for (int64_t j = 0; j < w; j++) s[j + 1] += xb * LOADV(sfx, projT + j * H + e0); \
+        }                                                                                    \
+        real sums[w + 1];                                                                    \
+        for (int64_t j = 0; j <= w; j++) {                                                   \
+            real a = lanes_sum_##sfx(s[j]);                                                  \
+            const real *pj = j == 0 ? xl : projT + (j - 1) * H;                              \
+            for (int64_t e = e0; e < H; e++) a += xl[e] * pj[e];                             \
+            sums[j] = a;                                                                     \
+        }                                                                                    \
+        r[l] = (real)(1 / sqrt((double)sums[0] / (double)H + eps));                          \
+        for (int64_t j = 0; j < w; j++) yt[l * w + j] = sums[j + 1];                         \
+    }                                                                                        \
+    real q[n * w];                                                                           \
+    for (int64_t i = 0; i < n * w; i++) q[i] = yt[i] * r[i / w];                             \
+    _Pragma("omp simd")                                                                      \
+    for (int64_t i = 0; i < n * w; i++) zt[i] = TANH(q[i]);                                  \
+    for (int64_t l = 0; l < n; l++) {                                                        \
+        p[l] = Am[l] + sa * zt[l * w];                                                       \
+        post[l] = B[l] + sb * zt[l * w + n + 1];                                             \
+        for (int64_t k = 0; k < n; k++)                                                      \
+            mix[k * n + l] = Ar[l * n + k] + sa * zt[l * w + 1 + k];                         \
+    }                                                                                        \
+    for (int64_t e = 0; e < H; e++) h[e] = p[0] * x[e];                                      \
+    for (int64_t l = 1; l < n; l++) {                                                        \
+        const real wl = p[l], *xl = x + l * H;                                               \
+        for (int64_t e = 0; e < H; e++) h[e] += wl * xl[e];                                  \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
 /* Dynamic HC's weights and read of one sub-layer, one pass over each token's state:         \
-   with w = n + 2 projections per stream (projT (w, H)), scale = (s_a, s_b) and the static    \
+   with w = n + 2 projections per stream (projT (w, H)), scale = (s_a, s_b) and the static   \
    Am (n), Ar (n, n) source-major, B (n):                                                    \
      y[l, j] = <X[l], projT[j]>,  r[l] = 1 / sqrt(|X[l]|^2 / H + eps),  z = tanh(y r),       \
      pre[l] = Am[l] + s_a z[l, 0],  mix[k, l] = Ar[l, k] + s_a z[l, 1 + k],                  \
      post[l] = B[l] + s_b z[l, n + 1],  h = sum_l pre[l] X[l].                               \
    Writes h (T, H), pre, post (T, n), mix (T, n, n) destination-major, and for the backward  \
    y, z (T, n, w) and r (T, n). */                                                           \
-HOT void hc_dynamic_read_##sfx(int64_t T, int64_t n, int64_t H, const real *X,              \
+HOT void hc_dynamic_read_##sfx(int64_t T, int64_t n, int64_t H, const real *X,               \
                                const real *projT, const real *Am, const real *Ar,            \
                                const real *B, const real *scale, double eps, real *h,        \
                                real *pre, real *mix, real *post, real *y, real *z, real *r,  \
                                int threads) {                                                \
     const int64_t w = n + 2;                                                                 \
-    const real sa = scale[0], sb = scale[1];                                                 \
     OMP_FOR                                                                                  \
-    for (int64_t t = 0; t < T; t++) {                                                        \
-        const real *x = X + t * n * H;                                                       \
-        real *yt = y + t * n * w, *zt = z + t * n * w, *p = pre + t * n;                     \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            const real *xl = x + l * H;                                                      \
-            /* |X[l]|^2 and the w products as VL partial sums each: w + 1 independent sums */\
-            real part[(w + 1) * VL], tail[w + 1];                                            \
-            for (int64_t i = 0; i < (w + 1) * VL; i++) part[i] = 0;                          \
-            int64_t e0 = 0;                                                                  \
-            for (; e0 + VL <= H; e0 += VL) {                                                 \
-                const real *xb = xl + e0;                                                    \
-                LANES part[v] += xb[v] * xb[v];                                              \
-                for (int64_t j = 0; j < w; j++) {                                            \
-                    const real *pb = projT + j * H + e0;                                     \
-                    real *pp = part + (j + 1) * VL;                                          \
-                    LANES pp[v] += xb[v] * pb[v];                                            \
-                }                                                                            \
-            }                                                                                \
-            for (int64_t j = 0; j <= w; j++) {                                               \
-                real a = 0;                                                                  \
-                for (int64_t v = 0; v < VL; v++) a += part[j * VL + v];                      \
-                const real *pj = j == 0 ? xl : projT + (j - 1) * H;                          \
-                for (int64_t e = e0; e < H; e++) a += xl[e] * pj[e];                         \
-                tail[j] = a;                                                                 \
-            }                                                                                \
-            const real rl = (real)(1 / sqrt((double)tail[0] / (double)H + eps));             \
-            r[t * n + l] = rl;                                                               \
-            for (int64_t j = 0; j < w; j++) {                                                \
-                yt[l * w + j] = tail[j + 1];                                                 \
-                zt[l * w + j] = (real)tanh((double)(tail[j + 1] * rl));                      \
-            }                                                                                \
-            p[l] = Am[l] + sa * zt[l * w];                                                   \
-            post[t * n + l] = B[l] + sb * zt[l * w + n + 1];                                 \
-            for (int64_t k = 0; k < n; k++)                                                  \
-                mix[(t * n + k) * n + l] = Ar[l * n + k] + sa * zt[l * w + 1 + k];           \
+    for (int64_t t = 0; t < T; t++)                                                          \
+        BY_STREAMS(dynamic_read_token_##sfx, n, H, X + t * n * H, projT, Am, Ar, B,          \
+                   scale[0], scale[1], eps, h + t * H, pre + t * n, mix + t * n * n,         \
+                   post + t * n, y + t * n * w, z + t * n * w, r + t * n);                   \
+}                                                                                            \
+                                                                                             \
+/* One token's dynamic read backward (hc_dynamic_read_backward): adds its sums over tokens   \
+   to acc (dprojT, (w, H)) and sm (dAm, dAr, dB, dscale); writes (or adds to) dx (n, H).     \
+   The n sums <X[l], dh> in one pass, then dX and dprojT's rows in one more, a block of VL   \
+   elements of every stream at a time (dprojT's rows loaded and stored once a block). */     \
+INLINE void dynamic_read_backward_token_##sfx(int64_t n, int64_t H, const real *x,           \
+                                              const real *projT, real sa, real sb,           \
+                                              const real *pre, const real *yt,               \
+                                              const real *zt, const real *r, const real *g,  \
+                                              const real *dm, const real *dpost, real *acc,  \
+                                              real *sm, real *dx, int accumulate) {          \
+    const int64_t w = n + 2, small = n + n * n + n + 2;                                      \
+    real dpre[n], gy[n * w], coef[n];                                                        \
+    v##sfx s[n];                                                                             \
+    for (int64_t l = 0; l < n; l++) s[l] = (v##sfx){0};                                      \
+    int64_t e0 = 0;                                                                          \
+    for (; e0 + VL <= H; e0 += VL) {                                                         \
+        const v##sfx gb = LOADV(sfx, g + e0);                                                \
+        for (int64_t l = 0; l < n; l++) s[l] += LOADV(sfx, x + l * H + e0) * gb;             \
+    }                                                                                        \
+    for (int64_t l = 0; l < n; l++) {                                                        \
+        real a = lanes_sum_##sfx(s[l]);                                                      \
+        for (int64_t e = e0; e < H; e++) a += x[l * H + e] * g[e];                           \
+        dpre[l] = a;                                                                         \
+    }                                                                                        \
+    for (int64_t l = 0; l < n; l++) {                                                        \
+        const real *zl = zt + l * w, rl = r[l], dp = dpre[l], dq = dpost[l];                 \
+        real du[w];                                                                          \
+        sm[l] += dp;                                                                         \
+        sm[n + n * n + l] += dq;                                                             \
+        sm[small - 2] += dp * zl[0];                                                         \
+        sm[small - 1] += dq * zl[n + 1];                                                     \
+        du[0] = sa * dp;                                                                     \
+        du[n + 1] = sb * dq;                                                                 \
+        for (int64_t k = 0; k < n; k++) {                                                    \
+            sm[n + l * n + k] += dm[k * n + l];                                              \
+            sm[small - 2] += dm[k * n + l] * zl[1 + k];                                      \
+            du[1 + k] = sa * dm[k * n + l];                                                  \
         }                                                                                    \
-        real *o = h + t * H;                                                                 \
-        for (int64_t e = 0; e < H; e++) o[e] = p[0] * x[e];                                  \
-        for (int64_t l = 1; l < n; l++) {                                                    \
-            const real wl = p[l], *xl = x + l * H;                                           \
-            for (int64_t e = 0; e < H; e++) o[e] += wl * xl[e];                              \
+        real dot = 0;                                                                        \
+        for (int64_t j = 0; j < w; j++) {                                                    \
+            du[j] *= 1 - zl[j] * zl[j];                                                      \
+            dot += du[j] * yt[l * w + j];                                                    \
+            gy[l * w + j] = du[j] * rl;                                                      \
+        }                                                                                    \
+        coef[l] = -dot * rl * rl * rl / (real)H;                                             \
+    }                                                                                        \
+    for (e0 = 0; e0 + VL <= H; e0 += VL) {                                                   \
+        const v##sfx gb = LOADV(sfx, g + e0);                                                \
+        v##sfx xb[n], blk[n];                                                                \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            xb[l] = LOADV(sfx, x + l * H + e0);                                              \
+            blk[l] = pre[l] * gb + coef[l] * xb[l];                                          \
+        }                                                                                    \
+        for (int64_t j = 0; j < w; j++) {                                                    \
+            const v##sfx pb = LOADV(sfx, projT + j * H + e0);                                \
+            v##sfx ab = LOADV(sfx, acc + j * H + e0);                                        \
+            for (int64_t l = 0; l < n; l++) {                                                \
+                blk[l] += gy[l * w + j] * pb;                                                \
+                ab += gy[l * w + j] * xb[l];                                                 \
+            }                                                                                \
+            STOREV(sfx, acc + j * H + e0, ab);                                               \
+        }                                                                                    \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            real *db = dx + l * H + e0;                                                      \
+            if (accumulate) STOREV(sfx, db, LOADV(sfx, db) + blk[l]);                        \
+            else STOREV(sfx, db, blk[l]);                                                    \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t e = e0; e < H; e++) {                                                       \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            real a = pre[l] * g[e] + coef[l] * x[l * H + e];                                 \
+            for (int64_t j = 0; j < w; j++) a += gy[l * w + j] * projT[j * H + e];           \
+            dx[l * H + e] = (accumulate ? dx[l * H + e] : 0) + a;                            \
+        }                                                                                    \
+        for (int64_t j = 0; j < w; j++) {                                                    \
+            real a = acc[j * H + e];                                                         \
+            for (int64_t l = 0; l < n; l++) a += gy[l * w + j] * x[l * H + e];               \
+            acc[j * H + e] = a;                                                              \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* Its backward for dh (T, H), dmix (T, n, n) and dpost (T, n): per token                   \
-     dpre[l] = <X[l], dh>, the gradient of z: dz[l, 0] = s_a dpre[l],                        \
-     dz[l, 1 + k] = s_a dmix[k, l], dz[l, n + 1] = s_b dpost[l]; du = dz (1 - z^2),          \
-     gy = du r[l], c[l] = -r[l]^3 / H sum_j du[l, j] y[l, j];                                \
-     dX[l] = pre[l] dh + sum_j gy[l, j] projT[j] + c[l] X[l]  (added to dX if accumulate),  \
-   and summed over tokens (per CHUNK tokens, then the chunks in order): dprojT[j] =          \
-   sum gy[l, j] X[l], dAm = sum dpre, dAr[l, k] = sum dmix[k, l], dB = sum dpost,            \
-   dscale = (sum dpre z[., 0] + dmix z[., 1 + k], sum dpost z[., n + 1]). Returns 0, or 1    \
-   if out of memory. */                                                                      \
-HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *X,      \
-                                       const real *projT, const real *scale,                 \
-                                       const real *pre, const real *y, const real *z,        \
-                                       const real *r, const real *dh, const real *dmix,      \
-                                       const real *dpost, real *dX, int accumulate,          \
-                                       real *dprojT, real *dAm, real *dAr, real *dB,         \
-                                       real *dscale, int threads) {                          \
-    const int64_t w = n + 2, chunks = (T + CHUNK - 1) / CHUNK;                               \
-    const int64_t small = n + n * n + n + 2, width = w * H + small;                          \
-    const real sa = scale[0], sb = scale[1];                                                 \
-    real *partial = calloc((size_t)(chunks * width), sizeof(real));                          \
-    if (!partial) return 1;                                                                  \
+/* The chunks' partial sums (rows of `stride`, the first w H + small used), in order. */     \
+INLINE void dynamic_read_sums_##sfx(int64_t chunks, int64_t stride, int64_t n,               \
+                                    int64_t H, const real *partial, real *dprojT,            \
+                                    real *dAm, real *dAr, real *dB, real *dscale,            \
+                                    int threads) {                                           \
+    const int64_t w = n + 2, small = n + n * n + n + 2;                                      \
     OMP_FOR                                                                                  \
-    for (int64_t c = 0; c < chunks; c++) {                                                   \
-        real *acc = partial + c * width, *sm = acc + w * H; /* dprojT, then the small ones */\
-        real du[w], gy[w];                                                                   \
-        const int64_t end = (c + 1) * CHUNK < T ? (c + 1) * CHUNK : T;                       \
-        for (int64_t t = c * CHUNK; t < end; t++) {                                          \
-            const real *x = X + t * n * H, *g = dh + t * H, *zt = z + t * n * w;             \
-            const real *yt = y + t * n * w, *dm = dmix + t * n * n;                          \
-            for (int64_t l = 0; l < n; l++) {                                                \
-                const real *xl = x + l * H, *zl = zt + l * w, rl = r[t * n + l];             \
-                real dp = 0;                                                                 \
-                SIMD_SUM(dp)                                                                 \
-                for (int64_t e = 0; e < H; e++) dp += xl[e] * g[e];                          \
-                const real dq = dpost[t * n + l];                                            \
-                sm[l] += dp;                                                                 \
-                sm[n + n * n + l] += dq;                                                     \
-                sm[small - 2] += dp * zl[0];                                                 \
-                sm[small - 1] += dq * zl[n + 1];                                             \
-                du[0] = sa * dp;                                                             \
-                du[n + 1] = sb * dq;                                                         \
-                for (int64_t k = 0; k < n; k++) {                                            \
-                    sm[n + l * n + k] += dm[k * n + l];                                      \
-                    sm[small - 2] += dm[k * n + l] * zl[1 + k];                              \
-                    du[1 + k] = sa * dm[k * n + l];                                          \
-                }                                                                            \
-                real dot = 0;                                                                \
-                for (int64_t j = 0; j < w; j++) {                                            \
-                    du[j] *= 1 - zl[j] * zl[j];                                              \
-                    dot += du[j] * yt[l * w + j];                                            \
-                    gy[j] = du[j] * rl;                                                      \
-                }                                                                            \
-                const real coef = -dot * rl * rl * rl / (real)H, pl = pre[t * n + l];        \
-                real *d = dX + (t * n + l) * H;                                              \
-                int64_t e0 = 0;                                                              \
-                for (; e0 + VL <= H; e0 += VL) { /* a block of dX[l] summed in registers */  \
-                    const real *xb = xl + e0, *gb = g + e0;                                  \
-                    real blk[VL];                                                            \
-                    LANES blk[v] = pl * gb[v] + coef * xb[v];                                \
-                    for (int64_t j = 0; j < w; j++) {                                        \
-                        const real gj = gy[j], *pb = projT + j * H + e0;                     \
-                        real *ab = acc + j * H + e0;                                         \
-                        LANES { blk[v] += gj * pb[v]; ab[v] += gj * xb[v]; }                 \
-                    }                                                                        \
-                    real *db = d + e0;                                                       \
-                    if (accumulate) { LANES db[v] += blk[v]; }                               \
-                    else { LANES db[v] = blk[v]; }                                           \
-                }                                                                            \
-                for (int64_t e = e0; e < H; e++) {                                           \
-                    real a = pl * g[e] + coef * xl[e];                                       \
-                    for (int64_t j = 0; j < w; j++) {                                        \
-                        a += gy[j] * projT[j * H + e];                                       \
-                        acc[j * H + e] += gy[j] * xl[e];                                     \
-                    }                                                                        \
-                    d[e] = (accumulate ? d[e] : 0) + a;                                      \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    OMP_FOR                                                                                  \
-    for (int64_t i = 0; i < width; i++) {                                                    \
+    for (int64_t i = 0; i < w * H + small; i++) {                                            \
         real a = 0;                                                                          \
-        for (int64_t c = 0; c < chunks; c++) a += partial[c * width + i];                    \
+        for (int64_t c = 0; c < chunks; c++) a += partial[c * stride + i];                   \
         if (i < w * H) dprojT[i] = a;                                                        \
         else {                                                                               \
             const int64_t s = i - w * H;                                                     \
@@ -304,6 +390,40 @@ HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const re
             else dscale[s - (small - 2)] = a;                                                \
         }                                                                                    \
     }                                                                                        \
+}                                                                                            \
+                                                                                             \
+/* Its backward for dh (T, H), dmix (T, n, n) and dpost (T, n): per token                    \
+     dpre[l] = <X[l], dh>, the gradient of z: dz[l, 0] = s_a dpre[l],                        \
+     dz[l, 1 + k] = s_a dmix[k, l], dz[l, n + 1] = s_b dpost[l]; du = dz (1 - z^2),          \
+     gy = du r[l], c[l] = -r[l]^3 / H sum_j du[l, j] y[l, j];                                \
+     dX[l] = pre[l] dh + sum_j gy[l, j] projT[j] + c[l] X[l]  (added to dX if accumulate),   \
+   and summed over tokens (per CHUNK tokens, then the chunks in order): dprojT[j] =          \
+   sum gy[l, j] X[l], dAm = sum dpre, dAr[l, k] = sum dmix[k, l], dB = sum dpost,            \
+   dscale = (sum dpre z[., 0] + dmix z[., 1 + k], sum dpost z[., n + 1]). Returns 0, or 1    \
+   if out of memory. */                                                                      \
+HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *X,       \
+                                       const real *projT, const real *scale,                 \
+                                       const real *pre, const real *y, const real *z,        \
+                                       const real *r, const real *dh, const real *dmix,      \
+                                       const real *dpost, real *dX, int accumulate,          \
+                                       real *dprojT, real *dAm, real *dAr, real *dB,         \
+                                       real *dscale, int threads) {                          \
+    const int64_t w = n + 2, chunks = (T + CHUNK - 1) / CHUNK;                               \
+    const int64_t width = w * H + n + n * n + n + 2;                                         \
+    real *partial = calloc((size_t)(chunks * width), sizeof(real));                          \
+    if (!partial) return 1;                                                                  \
+    OMP_FOR                                                                                  \
+    for (int64_t c = 0; c < chunks; c++) {                                                   \
+        real *acc = partial + c * width;                                                     \
+        const int64_t end = (c + 1) * CHUNK < T ? (c + 1) * CHUNK : T;                       \
+        for (int64_t t = c * CHUNK; t < end; t++)                                            \
+            BY_STREAMS(dynamic_read_backward_token_##sfx, n, H, X + t * n * H, projT,        \
+                       scale[0], scale[1], pre + t * n, y + t * n * w, z + t * n * w,        \
+                       r + t * n, dh + t * H, dmix + t * n * n, dpost + t * n, acc,          \
+                       acc + w * H, dX + t * n * H, accumulate);                             \
+    }                                                                                        \
+    dynamic_read_sums_##sfx(chunks, width, n, H, partial, dprojT, dAm, dAr, dB, dscale,      \
+                            threads);                                                        \
     free(partial);                                                                           \
     return 0;                                                                                \
 }                                                                                            \
@@ -318,8 +438,8 @@ HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const re
    ms: M_0 = exp(logits - max over the token's matrix), then rows to sum 1, columns to sum   \
    1, `iters` times; with `keep` all 2 iters + 1 iterates (each nn x VL) are kept, else      \
    the last overwrites M_0 in place. `sums` has room for n x VL values. */                   \
-static inline void sinkhorn_block_##sfx(int64_t n, int64_t iters, const real *a,             \
-                                        int64_t used, int keep, real *ms, real *sums) {      \
+INLINE void sinkhorn_block_##sfx(int64_t n, int64_t iters, const real *a,                    \
+                                 int64_t used, int keep, real *ms, real *sums) {             \
     const int64_t nn = n * n, step = keep ? nn * VL : 0;                                     \
     for (int64_t v = 0; v < VL; v++)                                                         \
         for (int64_t i = 0; i < nn; i++) ms[i * VL + v] = v < used ? a[v * nn + i] : 0;      \
@@ -454,5 +574,5 @@ HOT int hc_sinkhorn_backward_##sfx(int64_t T, int64_t n, int64_t iters, const re
     return failed;                                                                           \
 }
 
-KERNELS(float, f32, expf)
-KERNELS(double, f64, exp)
+KERNELS(float, f32, expf, tanhf)
+KERNELS(double, f64, exp, tanh)
