@@ -19,6 +19,8 @@ AdamW) on the same tokens:
   the clean-room reference DWA in the official code's style (benchmarks/nanogpt_anchor.py);
   `official-KxP` with `--official PATH`, the official `DWAModules` from a checkout.
 
+The process keeps freed memory for the next step as the trainer does on a CPU
+(pretrain/cpu_memory.py; a MALLOC_* setting in the environment leaves malloc alone).
 Each round also measures the fp32 matmul peak (MFU: model FLOP/s over the median peak of
 the rounds) and a memory copy bandwidth. The DWA-alone section runs the same DWAs with every
 block replaced by a scalar multiply: forward + backward time minus that of no DWA, against
@@ -46,6 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from nanogpt_anchor import AnchorGPT, ReferenceDWA, official_dwa_class  # noqa: E402
 
+from pretrain.cpu_memory import keep_freed_memory  # noqa: E402
 from pretrain.mfu import measure_matmul_flops  # noqa: E402
 from pretrain.model import DenseFormer, DenseFormerConfig  # noqa: E402
 from pretrain.model.dwa_layout import buffered_traffic  # noqa: E402
@@ -223,6 +226,7 @@ def median_ratio(series: list[float], base: list[float]) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    memory_line = keep_freed_memory()  # as the trainer runs on a CPU
     peaks, bandwidths = [], []
 
     def measure():
@@ -240,7 +244,8 @@ def main(argv=None) -> None:
     tokens = args.batch * args.seq
     results = {"shape": {k: v for k, v in vars(args).items() if k != "official_cls"},
                "matmul_peak_gflops": {"median": peak / 1e9, "best": max(peaks) / 1e9},
-               "copy_gbytes_per_s": bandwidth / 1e9, "variants": {}, "dwa_alone": {}}
+               "copy_gbytes_per_s": bandwidth / 1e9, "cpu_memory": memory_line,
+               "variants": {}, "dwa_alone": {}}
 
     for name, series in times.items():
         med = statistics.median(series)
@@ -276,7 +281,7 @@ def report(args, results: dict) -> None:
     print(f"{args.layers} blocks x {args.width}, seq {args.seq}, batch {args.batch}, vocab "
           f"{args.vocab}; {args.rounds} interleaved rounds, {args.threads} thread(s); fp32 "
           f"matmul peak {peak['median']:.1f} GFLOP/s (median; best {peak['best']:.1f}); copy "
-          f"{results['copy_gbytes_per_s']:.1f} GB/s")
+          f"{results['copy_gbytes_per_s']:.1f} GB/s\n{results['cpu_memory']}")
     print(f"{'variant':<17} {'median s':>9} {'best s':>8} {'tokens/s':>9} "
           f"{'vs Transformer':>15} {'MFU':>6} {'vs llama Transformer':>21}")
     for name, r in results["variants"].items():

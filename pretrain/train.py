@@ -28,6 +28,7 @@ from pretrain import checkpoint
 from pretrain.analyze import write_checkpoint_heatmap
 from pretrain.checkpoint import checkpoint_dir
 from pretrain.config import Config, ConfigError, config_to_dict, save_config
+from pretrain.cpu_memory import keep_freed_memory
 from pretrain.data_checks import check_data, trained_seq_len
 from pretrain.engine import build_engine
 from pretrain.evaluate import autocast_for, evaluate
@@ -105,6 +106,8 @@ class Trainer:
         parallel, microbatch_line = resolve_microbatches(cfg.parallel, model, batch, layout)
         cfg = dataclasses.replace(cfg, parallel=parallel)
         self.run_choices = [microbatch_line] if microbatch_line else []  # for the log
+        if layout.device.type == "cpu":  # freed activations kept for the next step
+            self.run_choices.append(keep_freed_memory())
         self.cfg = cfg
         self.model_cfg = cfg.model
         self.fingerprint = fingerprint(config_to_dict(cfg)["model"],
