@@ -24,8 +24,9 @@
 #define HOT
 #endif
 
-/* exp, expf, tanh and tanhf over SIMD lanes: glibc's vector variants (libmvec, linked with -lm, each
-   within a few ulp), which math.h declares only under -ffast-math. */
+/* exp, expf, tanh and tanhf over SIMD lanes: glibc's vector variants (libmvec, linked with
+   -lm, each within a few ulp; tanh from glibc 2.35), which math.h declares only under
+   -ffast-math. */
 #if defined(__GLIBC__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((simd("notinbranch"))) float expf(float);
 __attribute__((simd("notinbranch"))) double exp(double);
@@ -48,7 +49,7 @@ __attribute__((simd("notinbranch"))) double tanh(double);
 #define SIMD_SUM(var) _Pragma(SIMD_STR(omp simd reduction(+:var)))
 #define SIMD_STR(x) #x
 #define CHUNK 64 /* rows per partial sum of a projection's weight gradient */
-#define VL 16    /* tokens per Sinkhorn block, one per SIMD lane */
+#define VL 16    /* tokens per Sinkhorn block, one per SIMD lane; values per vector below */
 #define LANES _Pragma("omp simd") for (int64_t v = 0; v < VL; v++)
 
 /* VL values as one (GCC's vector extension): a loop's partial sums that stay in registers,
@@ -116,27 +117,18 @@ HOT void hc_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const real *pre
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* One token's write: y[k] = sum_l m[k, l] x[l] + p[k] u (m destination-major, (n, n)),      \
-   each block of VL elements of y summed in registers and stored once. */                    \
+/* One token's write: y[k] = sum_l m[k, l] x[l] + p[k] u (m destination-major, (n, n)). */   \
 INLINE void write_token_##sfx(int64_t n, int64_t H, const real *m, const real *x,            \
                               const real *p, const real *u, real *y) {                       \
-    int64_t e0 = 0;                                                                          \
-    for (; e0 + VL <= H; e0 += VL) {                                                         \
-        v##sfx xb[n];                                                                        \
-        for (int64_t l = 0; l < n; l++) xb[l] = LOADV(sfx, x + l * H + e0);                  \
-        const v##sfx ub = LOADV(sfx, u + e0);                                                \
-        for (int64_t k = 0; k < n; k++) {                                                    \
-            v##sfx yb = p[k] * ub;                                                           \
-            for (int64_t l = 0; l < n; l++) yb += m[k * n + l] * xb[l];                      \
-            STOREV(sfx, y + k * H + e0, yb);                                                 \
+    for (int64_t k = 0; k < n; k++) {                                                        \
+        real *yk = y + k * H;                                                                \
+        const real b = p[k];                                                                 \
+        for (int64_t e = 0; e < H; e++) yk[e] = b * u[e];                                    \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            const real w = m[k * n + l], *xl = x + l * H;                                    \
+            for (int64_t e = 0; e < H; e++) yk[e] += w * xl[e];                              \
         }                                                                                    \
     }                                                                                        \
-    for (int64_t k = 0; k < n; k++)                                                          \
-        for (int64_t e = e0; e < H; e++) {                                                   \
-            real a = p[k] * u[e];                                                            \
-            for (int64_t l = 0; l < n; l++) a += m[k * n + l] * x[l * H + e];                \
-            y[k * H + e] = a;                                                                \
-        }                                                                                    \
 }                                                                                            \
                                                                                              \
 /* Y[t, k] = sum_l mix[t, k, l] X[t, l] + post[t, k] out[t] */                               \
@@ -149,50 +141,37 @@ HOT void hc_write_##sfx(int64_t T, int64_t n, int64_t H, const real *mix, const 
 }                                                                                            \
                                                                                              \
 /* One token's write backward for its gradient g (n, H): dx[l] = sum_k m[k, l] g[k],         \
-   dm[k, l] = <g[k], x[l]>, dp[k] = <g[k], u>, du = sum_k p[k] g[k]: the n + 1 sums of each  \
-   g[k] in one pass (VL partial sums each, in registers), then du and dx in one more. */     \
-INLINE void write_backward_token_##sfx(int64_t n, int64_t H, const real *m, const real *x,   \
-                                       const real *p, const real *u, const real *g,          \
-                                       real *dx, real *dm, real *dp, real *du) {             \
+   dm[k, l] = <g[k], x[l]>, dp[k] = <g[k], u>, du = sum_k p[k] g[k]. */                      \
+INLINE void write_backward_token_##sfx(int64_t n, int64_t H, const real *m,                  \
+                                       const real *x, const real *p, const real *u,          \
+                                       const real *g, real *dx, real *dm, real *dp,          \
+                                       real *du) {                                           \
     for (int64_t k = 0; k < n; k++) {                                                        \
         const real *gk = g + k * H;                                                          \
-        v##sfx s[n + 1];                                                                     \
-        for (int64_t l = 0; l <= n; l++) s[l] = (v##sfx){0};                                 \
-        int64_t e0 = 0;                                                                      \
-        for (; e0 + VL <= H; e0 += VL) {                                                     \
-            const v##sfx gb = LOADV(sfx, gk + e0);                                           \
-            s[0] += gb * LOADV(sfx, u + e0);                                                 \
-            for (int64_t l = 0; l < n; l++) s[1 + l] += gb * LOADV(sfx, x + l * H + e0);     \
-        }                                                                                    \
-        for (int64_t l = 0; l <= n; l++) {                                                   \
-            const real *v = l == 0 ? u : x + (l - 1) * H;                                    \
-            real a = lanes_sum_##sfx(s[l]);                                                  \
-            for (int64_t e = e0; e < H; e++) a += gk[e] * v[e];                              \
-            if (l == 0) dp[k] = a;                                                           \
-            else dm[k * n + l - 1] = a;                                                      \
+        real dot = 0;                                                                        \
+        SIMD_SUM(dot)                                                                        \
+        for (int64_t e = 0; e < H; e++) dot += gk[e] * u[e];                                 \
+        dp[k] = dot;                                                                         \
+        for (int64_t l = 0; l < n; l++) {                                                    \
+            const real *xl = x + l * H;                                                      \
+            real s = 0;                                                                      \
+            SIMD_SUM(s)                                                                      \
+            for (int64_t e = 0; e < H; e++) s += gk[e] * xl[e];                              \
+            dm[k * n + l] = s;                                                               \
         }                                                                                    \
     }                                                                                        \
-    int64_t e0 = 0;                                                                          \
-    for (; e0 + VL <= H; e0 += VL) {                                                         \
-        v##sfx gb[n];                                                                        \
-        for (int64_t k = 0; k < n; k++) gb[k] = LOADV(sfx, g + k * H + e0);                  \
-        v##sfx ub = p[0] * gb[0];                                                            \
-        for (int64_t k = 1; k < n; k++) ub += p[k] * gb[k];                                  \
-        STOREV(sfx, du + e0, ub);                                                            \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            v##sfx db = m[l] * gb[0];                                                        \
-            for (int64_t k = 1; k < n; k++) db += m[k * n + l] * gb[k];                      \
-            STOREV(sfx, dx + l * H + e0, db);                                                \
-        }                                                                                    \
+    for (int64_t e = 0; e < H; e++) du[e] = p[0] * g[e];                                     \
+    for (int64_t k = 1; k < n; k++) {                                                        \
+        const real b = p[k], *gk = g + k * H;                                                \
+        for (int64_t e = 0; e < H; e++) du[e] += b * gk[e];                                  \
     }                                                                                        \
-    for (int64_t e = e0; e < H; e++) {                                                       \
-        real a = p[0] * g[e];                                                                \
-        for (int64_t k = 1; k < n; k++) a += p[k] * g[k * H + e];                            \
-        du[e] = a;                                                                           \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            real d = m[l] * g[e];                                                            \
-            for (int64_t k = 1; k < n; k++) d += m[k * n + l] * g[k * H + e];                \
-            dx[l * H + e] = d;                                                               \
+    for (int64_t l = 0; l < n; l++) {                                                        \
+        real *d = dx + l * H;                                                                \
+        const real w0 = m[l];                                                                \
+        for (int64_t e = 0; e < H; e++) d[e] = w0 * g[e];                                    \
+        for (int64_t k = 1; k < n; k++) {                                                    \
+            const real w = m[k * n + l], *gk = g + k * H;                                    \
+            for (int64_t e = 0; e < H; e++) d[e] += w * gk[e];                               \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
@@ -290,32 +269,22 @@ HOT void hc_dynamic_read_##sfx(int64_t T, int64_t n, int64_t H, const real *X,  
 }                                                                                            \
                                                                                              \
 /* One token's dynamic read backward (hc_dynamic_read_backward): adds its sums over tokens   \
-   to acc (dprojT, (w, H)) and sm (dAm, dAr, dB, dscale); writes (or adds to) dx (n, H).     \
-   The n sums <X[l], dh> in one pass, then dX and dprojT's rows in one more, a block of VL   \
-   elements of every stream at a time (dprojT's rows loaded and stored once a block). */     \
+   to acc (dprojT, (w, H)) and sm (dAm, dAr, dB, dscale); writes (or adds to) dx (n, H). */  \
 INLINE void dynamic_read_backward_token_##sfx(int64_t n, int64_t H, const real *x,           \
                                               const real *projT, real sa, real sb,           \
                                               const real *pre, const real *yt,               \
-                                              const real *zt, const real *r, const real *g,  \
-                                              const real *dm, const real *dpost, real *acc,  \
-                                              real *sm, real *dx, int accumulate) {          \
+                                              const real *zt, const real *r,                 \
+                                              const real *g, const real *dm,                 \
+                                              const real *dpost, real *acc, real *sm,        \
+                                              real *dx, int accumulate) {                    \
     const int64_t w = n + 2, small = n + n * n + n + 2;                                      \
-    real dpre[n], gy[n * w], coef[n];                                                        \
-    v##sfx s[n];                                                                             \
-    for (int64_t l = 0; l < n; l++) s[l] = (v##sfx){0};                                      \
-    int64_t e0 = 0;                                                                          \
-    for (; e0 + VL <= H; e0 += VL) {                                                         \
-        const v##sfx gb = LOADV(sfx, g + e0);                                                \
-        for (int64_t l = 0; l < n; l++) s[l] += LOADV(sfx, x + l * H + e0) * gb;             \
-    }                                                                                        \
+    real du[w], gy[w];                                                                       \
     for (int64_t l = 0; l < n; l++) {                                                        \
-        real a = lanes_sum_##sfx(s[l]);                                                      \
-        for (int64_t e = e0; e < H; e++) a += x[l * H + e] * g[e];                           \
-        dpre[l] = a;                                                                         \
-    }                                                                                        \
-    for (int64_t l = 0; l < n; l++) {                                                        \
-        const real *zl = zt + l * w, rl = r[l], dp = dpre[l], dq = dpost[l];                 \
-        real du[w];                                                                          \
+        const real *xl = x + l * H, *zl = zt + l * w, rl = r[l];                             \
+        real dp = 0;                                                                         \
+        SIMD_SUM(dp)                                                                         \
+        for (int64_t e = 0; e < H; e++) dp += xl[e] * g[e];                                  \
+        const real dq = dpost[l];                                                            \
         sm[l] += dp;                                                                         \
         sm[n + n * n + l] += dq;                                                             \
         sm[small - 2] += dp * zl[0];                                                         \
@@ -331,42 +300,31 @@ INLINE void dynamic_read_backward_token_##sfx(int64_t n, int64_t H, const real *
         for (int64_t j = 0; j < w; j++) {                                                    \
             du[j] *= 1 - zl[j] * zl[j];                                                      \
             dot += du[j] * yt[l * w + j];                                                    \
-            gy[l * w + j] = du[j] * rl;                                                      \
+            gy[j] = du[j] * rl;                                                              \
         }                                                                                    \
-        coef[l] = -dot * rl * rl * rl / (real)H;                                             \
-    }                                                                                        \
-    for (e0 = 0; e0 + VL <= H; e0 += VL) {                                                   \
-        const v##sfx gb = LOADV(sfx, g + e0);                                                \
-        v##sfx xb[n], blk[n];                                                                \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            xb[l] = LOADV(sfx, x + l * H + e0);                                              \
-            blk[l] = pre[l] * gb + coef[l] * xb[l];                                          \
-        }                                                                                    \
-        for (int64_t j = 0; j < w; j++) {                                                    \
-            const v##sfx pb = LOADV(sfx, projT + j * H + e0);                                \
-            v##sfx ab = LOADV(sfx, acc + j * H + e0);                                        \
-            for (int64_t l = 0; l < n; l++) {                                                \
-                blk[l] += gy[l * w + j] * pb;                                                \
-                ab += gy[l * w + j] * xb[l];                                                 \
+        const real coef = -dot * rl * rl * rl / (real)H, pl = pre[l];                        \
+        real *d = dx + l * H;                                                                \
+        int64_t e0 = 0;                                                                      \
+        for (; e0 + VL <= H; e0 += VL) { /* a block of dX[l] summed in registers */          \
+            const real *xb = xl + e0, *gb = g + e0;                                          \
+            real blk[VL];                                                                    \
+            LANES blk[v] = pl * gb[v] + coef * xb[v];                                        \
+            for (int64_t j = 0; j < w; j++) {                                                \
+                const real gj = gy[j], *pb = projT + j * H + e0;                             \
+                real *ab = acc + j * H + e0;                                                 \
+                LANES { blk[v] += gj * pb[v]; ab[v] += gj * xb[v]; }                         \
             }                                                                                \
-            STOREV(sfx, acc + j * H + e0, ab);                                               \
+            real *db = d + e0;                                                               \
+            if (accumulate) { LANES db[v] += blk[v]; }                                       \
+            else { LANES db[v] = blk[v]; }                                                   \
         }                                                                                    \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            real *db = dx + l * H + e0;                                                      \
-            if (accumulate) STOREV(sfx, db, LOADV(sfx, db) + blk[l]);                        \
-            else STOREV(sfx, db, blk[l]);                                                    \
-        }                                                                                    \
-    }                                                                                        \
-    for (int64_t e = e0; e < H; e++) {                                                       \
-        for (int64_t l = 0; l < n; l++) {                                                    \
-            real a = pre[l] * g[e] + coef[l] * x[l * H + e];                                 \
-            for (int64_t j = 0; j < w; j++) a += gy[l * w + j] * projT[j * H + e];           \
-            dx[l * H + e] = (accumulate ? dx[l * H + e] : 0) + a;                            \
-        }                                                                                    \
-        for (int64_t j = 0; j < w; j++) {                                                    \
-            real a = acc[j * H + e];                                                         \
-            for (int64_t l = 0; l < n; l++) a += gy[l * w + j] * x[l * H + e];               \
-            acc[j * H + e] = a;                                                              \
+        for (int64_t e = e0; e < H; e++) {                                                   \
+            real a = pl * g[e] + coef * xl[e];                                               \
+            for (int64_t j = 0; j < w; j++) {                                                \
+                a += gy[j] * projT[j * H + e];                                               \
+                acc[j * H + e] += gy[j] * xl[e];                                             \
+            }                                                                                \
+            d[e] = (accumulate ? d[e] : 0) + a;                                              \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
