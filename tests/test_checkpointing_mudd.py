@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-VARIANTS = [("block", 1), ("block", 2), ("dwa_block", 1), ("dwa_block", 3)]
+from tests.test_checkpointing_attnres import assert_every_mode_gives_none
 
 
 def make_model(dynamic: bool, streams: str):
@@ -26,27 +26,8 @@ def make_model(dynamic: bool, streams: str):
     return model
 
 
-def loss_and_grads(model, mode: str, every: int):
-    from parallel.strategies.checkpointing import apply_activation_checkpointing
-
-    apply_activation_checkpointing(model, mode, every)
-    model.zero_grad(set_to_none=True)
-    tokens = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(11)  # dropout
-    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dynamic,streams", [
     (True, "qkvr"), pytest.param(False, "r", marks=pytest.mark.slow)])
 def test_every_mode_gives_the_loss_and_gradients_of_none(dynamic, streams):
-    model = make_model(dynamic, streams)
-    ref_loss, ref_grads = loss_and_grads(model, "none", 1)
-    for mode, every in VARIANTS:
-        loss, grads = loss_and_grads(model, mode, every)
-        assert abs(loss - ref_loss) <= 1e-12, (mode, every)
-        for param, ref in ref_grads.items():
-            rel = ((grads[param] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            assert rel <= 1e-10, (mode, every, param, rel)
+    assert_every_mode_gives_none(make_model(dynamic, streams), (dynamic, streams))

@@ -201,20 +201,26 @@ def test_interleaved_stages_sum_per_rank(mode):
         assert terms["recompute_working_set"] == max(reports[s].recompute_bytes for s in stages)
 
 
-@pytest.mark.parametrize("case", ["full-pp2-states", "block-pp2-partial-states", "block-pp3"])
-def test_pipeline_stages_with_a_bf16_boundary_under_autocast(case):
-    """train.dtype bf16 with parallel.pipeline_dtype compute: X_j and states cross in bf16
-    (the lse in fp32) and are widened on receipt where something keeps them; within 5%, and
-    autocast's weight copies of each stage's blocks exactly the estimate's."""
+def bf16_stage_reports(stage_config, case: str):
+    """(mode, config, pp rank, probe report) of each stage of `stage_config`'s `case` with
+    train.dtype bf16 (a bf16 boundary under autocast), checkpointing `none` and `block`."""
     for mode in ("none", "block"):
         cfg = stage_config(case, mode, "train.dtype=bf16")
         with torch.autocast("cpu", dtype=torch.bfloat16):
             reports = measured_stages(cfg, torch.bfloat16)
         for rank, report in enumerate(reports):
-            estimate = estimated(cfg, cfg.parallel.pp, rank)
-            assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
-            assert_within(report.total_bytes, estimate.activation_bytes, "block",
-                          (case, mode, rank))
+            yield mode, cfg, rank, report
+
+
+@pytest.mark.parametrize("case", ["full-pp2-states", "block-pp2-partial-states", "block-pp3"])
+def test_pipeline_stages_with_a_bf16_boundary_under_autocast(case):
+    """train.dtype bf16 with parallel.pipeline_dtype compute: X_j and states cross in bf16
+    (the lse in fp32) and are widened on receipt where something keeps them; within 5%, and
+    autocast's weight copies of each stage's blocks exactly the estimate's."""
+    for mode, cfg, rank, report in bf16_stage_reports(stage_config, case):
+        estimate = estimated(cfg, cfg.parallel.pp, rank)
+        assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
+        assert_within(report.total_bytes, estimate.activation_bytes, "block", (case, mode, rank))
 
 
 def test_cli_pipeline_ranks_of_attnres():
@@ -235,10 +241,11 @@ def test_cli_pipeline_ranks_of_attnres():
     assert "rank 1:" in text.stdout and "in_flight_microbatches" in text.stdout
 
 
-def tp_stage_cases() -> dict:
-    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
+def tp_stage_totals(stage_config, cases) -> dict:
+    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2, the
+    config of each from `stage_config(case, mode, sequence parallelism override, tp=2)`."""
     out = {}
-    for case in ("full-pp2-states", "block-pp2-partial-states"):
+    for case in cases:
         for sp in (False, True):
             for mode in ("none", "block"):
                 cfg = stage_config(case, mode,
@@ -247,14 +254,27 @@ def tp_stage_cases() -> dict:
     return out
 
 
+def measured_stages_under_tp2(stage_config, cases, timeout_s: float) -> dict:
+    """TP = 2 x PP (the stages chained on one TP group, TP rank 0 measured) for each case,
+    with and without sequence parallelism, checkpointing `none` and `block`:
+    {(case, sp, mode, pp rank): (the config, the stage's probe total)}. `stage_config` is a
+    module-level function (the ranks import it)."""
+    measured = run_distributed_test(tp_stage_totals, world_size=2, tp=2, timeout_s=timeout_s,
+                                    stage_config=stage_config, cases=cases)[0]
+    out = {}
+    for (case, sp, mode), totals in measured.items():
+        cfg = stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
+        for pp_rank, total in enumerate(totals):
+            out[(case, sp, mode, pp_rank)] = (cfg, total)
+    return out
+
+
 @pytest.mark.timeout(200)
 def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
     """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): to the byte,
     the mixes on this rank's sequence slice under SP."""
-    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=180)[0]
-    for (case, sp, mode), totals in measured.items():
-        cfg = stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
-        world = 2 * cfg.parallel.pp
-        for pp_rank, total in enumerate(totals):
-            assert estimated(cfg, world, 2 * pp_rank).activation_bytes == total, (
-                case, sp, mode, pp_rank)
+    measured = measured_stages_under_tp2(
+        stage_config, ("full-pp2-states", "block-pp2-partial-states"), timeout_s=180)
+    for (case, sp, mode, pp_rank), (cfg, total) in measured.items():
+        assert estimated(cfg, 2 * cfg.parallel.pp, 2 * pp_rank).activation_bytes == total, (
+            case, sp, mode, pp_rank)

@@ -283,31 +283,13 @@ def test_pipeline_stages_with_a_bf16_boundary_under_autocast(case):
     widened to fp32 on receipt (both held); autocast's weight copies exactly the estimate's,
     the activations within 1% (CPU autocast keeps one small fp32 tensor a block more; with
     `block` to the byte)."""
-    from tests.test_memory_attnres import measured_stages
+    from tests.test_memory_attnres import bf16_stage_reports
 
-    for mode in ("none", "block"):
-        cfg = hc_stage_config(case, mode, "train.dtype=bf16")
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            reports = measured_stages(cfg, torch.bfloat16)
-        for rank, report in enumerate(reports):
-            estimate = estimated(cfg, cfg.parallel.pp, rank)
-            assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
-            assert 0 <= report.total_bytes - estimate.activation_bytes <= \
-                0.01 * report.total_bytes, (case, mode, rank)
-
-
-def tp_stage_cases() -> dict:
-    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
-    from tests.test_memory_attnres import measured_stages
-
-    out = {}
-    for case in ("hc-pp2", "mhc-pp2"):
-        for sp in (False, True):
-            for mode in ("none", "block"):
-                cfg = hc_stage_config(case, mode,
-                                      f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
-                out[(case, sp, mode)] = [r.total_bytes for r in measured_stages(cfg)]
-    return out
+    for mode, cfg, rank, report in bf16_stage_reports(hc_stage_config, case):
+        estimate = estimated(cfg, cfg.parallel.pp, rank)
+        assert report.autocast_copy_bytes == estimate.autocast_copies_bytes > 0
+        assert 0 <= report.total_bytes - estimate.activation_bytes <= \
+            0.01 * report.total_bytes, (case, mode, rank)
 
 
 @pytest.mark.slow
@@ -316,12 +298,9 @@ def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
     """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): the state and
     the mixes on the whole sequence on every TP rank without SP, on this rank's slice with
     it."""
-    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=180)[0]
-    diffs = {}
-    for (case, sp, mode), totals in measured.items():
-        cfg = hc_stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}",
-                              tp=2)
-        for pp_rank, total in enumerate(totals):
-            diffs[(case, sp, mode, pp_rank)] = total - estimated(
-                cfg, 2 * cfg.parallel.pp, 2 * pp_rank).activation_bytes
+    from tests.test_memory_attnres import measured_stages_under_tp2
+
+    measured = measured_stages_under_tp2(hc_stage_config, ("hc-pp2", "mhc-pp2"), timeout_s=180)
+    diffs = {key: total - estimated(cfg, 2 * cfg.parallel.pp, 2 * key[3]).activation_bytes
+             for key, (cfg, total) in measured.items()}
     assert all(d == 0 for d in diffs.values()), diffs

@@ -304,32 +304,14 @@ def test_pipeline_stages_with_a_bf16_boundary_under_autocast(case):
     """train.dtype bf16 with parallel.pipeline_dtype compute: X_j and partial sums cross in
     bf16 and are widened on receipt where kept; each stage within 2% (CPU autocast keeps a
     little more or less: measured -0.4% to +1.6%), autocast's weight copies exactly."""
-    from tests.test_memory_attnres import measured_stages
+    from tests.test_memory_attnres import bf16_stage_reports
 
-    for mode in ("none", "block"):
-        cfg = stage_config(case, mode, "train.dtype=bf16")
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            reports = measured_stages(cfg, torch.bfloat16)
+    for mode, cfg, rank, report in bf16_stage_reports(stage_config, case):
         pp = cfg.parallel.pp
-        for rank, report in enumerate(reports):
-            assert report.autocast_copy_bytes == estimated(cfg, pp, rank).autocast_copies_bytes
-            estimate = stage_forward_bytes(cfg, pp, rank)
-            assert abs(estimate - report.total_bytes) <= 0.02 * report.total_bytes, (
-                case, mode, rank, report.total_bytes, estimate)
-
-
-def tp_stage_cases() -> dict:
-    """{(case, sp, mode): each stage's probe total} on this rank of a TP group of 2."""
-    from tests.test_memory_attnres import measured_stages
-
-    out = {}
-    for case in ("dynamic-pp2", "static-pp2-sums"):
-        for sp in (False, True):
-            for mode in ("none", "block"):
-                cfg = stage_config(case, mode,
-                                   f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
-                out[(case, sp, mode)] = [r.total_bytes for r in measured_stages(cfg)]
-    return out
+        assert report.autocast_copy_bytes == estimated(cfg, pp, rank).autocast_copies_bytes
+        estimate = stage_forward_bytes(cfg, pp, rank)
+        assert abs(estimate - report.total_bytes) <= 0.02 * report.total_bytes, (
+            case, mode, rank, report.total_bytes, estimate)
 
 
 @pytest.mark.slow
@@ -337,12 +319,10 @@ def tp_stage_cases() -> dict:
 def test_pipeline_stages_under_tp2_with_and_without_sequence_parallelism():
     """TP = 2 x PP = 2 (the stages chained on one TP group, TP rank 0 measured): the buffer,
     the mixes and what crosses on this rank's sequence slice under SP."""
-    measured = run_distributed_test(tp_stage_cases, world_size=2, tp=2, timeout_s=280)[0]
-    diffs = {}
-    for (case, sp, mode), totals in measured.items():
-        cfg = stage_config(case, mode, f"parallel.sequence_parallel={str(sp).lower()}", tp=2)
-        world = 2 * cfg.parallel.pp
-        for pp_rank, total in enumerate(totals):
-            diffs[(case, sp, mode, pp_rank)] = \
-                total - stage_forward_bytes(cfg, world, 2 * pp_rank)
+    from tests.test_memory_attnres import measured_stages_under_tp2
+
+    measured = measured_stages_under_tp2(stage_config, ("dynamic-pp2", "static-pp2-sums"),
+                                         timeout_s=280)
+    diffs = {key: total - stage_forward_bytes(cfg, 2 * cfg.parallel.pp, 2 * key[3])
+             for key, (cfg, total) in measured.items()}
     assert all(d == 0 for d in diffs.values()), diffs

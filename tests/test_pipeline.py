@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, cli_env
-from tests.distributed import run_distributed_test
+from tests.pipeline_cases import check_stages_chained, reference_step, run_cases_on_ranks
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8)
 MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
@@ -202,7 +202,6 @@ def reference(model_name: str, batch: int, microbatches: int, seed: int = 0,
     """(full state, tokens (batch, S + 1), loss, {name: full grad}) of the single-process
     model with random alphas, loss averaged over `microbatches` as the trainer does."""
     from pretrain.model import DenseFormer, DenseFormerConfig
-    from pretrain.model.state import full_model_state
 
     cfg = DenseFormerConfig(**{**SHAPE, **MODELS[model_name], "dwa_window": window})
     model = DenseFormer(cfg, seed=7)
@@ -213,48 +212,7 @@ def reference(model_name: str, batch: int, microbatches: int, seed: int = 0,
         with torch.no_grad():
             model.dwa_alpha.add_(0.5 * torch.randn(model.dwa_alpha.shape, generator=gen)
                                  * model.dwa_mask)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["seq_len"] + 1), generator=gen)
-    total = 0.0
-    for part in tokens.chunk(microbatches):
-        loss = model.loss(part[:, :-1], part[:, 1:])
-        (loss / microbatches).backward()
-        total += loss.item() / microbatches
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return full_model_state(model), tokens, total, grads
-
-
-def relative_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((grad - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def step_gradient_errors(runner, tokens, case: dict, dp: int, ref_loss: float,
-                         ref_grads: dict) -> dict[str, float]:
-    """One train step of a PipelineRunner on this DP rank's share of `tokens` (`case`'s
-    micro-batches), its gradients reduced as the trainer reduces them (averaged over DP;
-    under sequence parallelism the replicated weights' partial sums added over TP). Asserts
-    the loss equals `ref_loss` to 1e-5; returns each parameter's relative gradient error
-    against `ref_grads` (gathered over TP)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from parallel.primitives.tensor import allreduce_sequence_parallel_grads
-    from pretrain.model.state import _gather_full
-
-    local = tokens.chunk(dp)[ps.get_data_parallel_rank()]
-    loss = runner.train_step(local[:, :-1], local[:, 1:]) / case["microbatches"]
-    model = runner.model
-    if dp > 1:  # as the trainer's average_gradients
-        group = ps.get_data_parallel_group()
-        for param in model.parameters():
-            dist.all_reduce(param.grad, group=group)
-            param.grad /= dp
-        dist.all_reduce(loss, group=group)
-        loss /= dp
-    if case.get("sequence_parallel"):
-        allreduce_sequence_parallel_grads(model, model.tp_group)
-    assert abs(loss.item() - ref_loss) < 1e-5, (case["id"], loss.item(), ref_loss)
-    return {name: relative_error(_gather_full(p, p.grad, model.tp_group), ref_grads[name])
-            for name, p in model.named_parameters()}
+    return reference_step(model, batch, microbatches, gen)
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -262,10 +220,8 @@ def step_gradient_errors(runner, tokens, case: dict, dp: int, ref_loss: float,
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpointing):
     from parallel.strategies.plan import build_plan
-    from parallel.strategies.stage_model import StageModel, StageModule
-    from pretrain.model.state import load_full_model_state
 
-    state, tokens, ref_loss, ref_grads = reference(model_name, 4, 1)
+    ref = reference(model_name, 4, 1)
     cfg = model_config(**{"d": MODELS[model_name]["n_layers"],
                           "k": MODELS[model_name].get("dwa_dilation", 1),
                           "p": MODELS[model_name].get("dwa_period", 1),
@@ -275,55 +231,12 @@ def test_stages_chained_in_one_process_equal_the_model(model_name, mode, checkpo
     d = cfg.n_layers
     for split in random_splits(d, min(4, d), 2, random.Random(d)):
         plan = build_plan(cfg, len(split), split=split, transfer=mode)
-        model = StageModel(cfg, plan.programs, seed=1)
-        load_full_model_state(model, state)
-        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
-        out = stages[0](tokens[:, :-1])
-        for stage, count in zip(stages[1:], plan.counts, strict=True):
-            assert len(out) == count[mode]
-            out = stage(*out)
-        loss = model.head_loss(*out, tokens[:, 1:])
-        loss.backward()
-        assert abs(loss.item() - ref_loss) < 1e-5
-        for name, param in model.named_parameters():
-            assert relative_error(param.grad, ref_grads[name]) < 1e-5, (split, name)
+        _, crossed = check_stages_chained(cfg, plan, ref, checkpointing, split)
+        assert [len(sent) for sent in crossed] == [count[mode] for count in plan.counts], split
 
 
 # ---------------------------------------------------------------------------------------------
 # Multi-process: the schedules, the transfers and the gradient reductions
-
-
-def pipeline_cases(cases: list[dict], dp: int) -> dict:
-    """Run each case on this rank; returns {case id: worst relative gradient error}."""
-    import torch.distributed as dist
-
-    from parallel.strategies.pipeline import PipelineRunner
-
-    worst = {}
-    for case in cases:
-        state, tokens, ref_loss, ref_grads = case["reference"]
-        cfg = model_config(**case["model"])
-        m = case["microbatches"]
-        runner = PipelineRunner(
-            cfg, microbatches=m, micro_batch=tokens.shape[0] // (dp * m),
-            virtual_stages=case["virtual_stages"], pp_split=case["split"],
-            transfer=case["mode"], seed=3, activation_checkpointing=case["checkpointing"],
-            sequence_parallel=case.get("sequence_parallel", False))
-        runner.load_model_state(state)
-        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
-        name = max(errors, key=errors.get)
-        assert errors[name] < 1e-5, (case["id"], name, errors[name])
-        worst[case["id"]] = errors[name]
-        if case.get("check_eval_and_state"):
-            runner.eval()
-            with torch.no_grad():
-                assert abs(runner.loss(tokens[:, :-1], tokens[:, 1:]).item()
-                           - case["eval_loss"]) < 1e-5
-            full = runner.full_model_state()
-            if dist.get_rank() == 0:
-                assert full.keys() == state.keys()
-                assert all(torch.equal(full[n], state[n]) for n in state)
-    return worst
 
 
 def make_case(name: str, mode: str, m: int, *, pp: int, virtual_stages: int = 1, split=None,
@@ -336,25 +249,12 @@ def make_case(name: str, mode: str, m: int, *, pp: int, virtual_stages: int = 1,
     case_split = split(fields["n_layers"]) if callable(split) else split
     flag_text = "".join(f"/{key}" for key, on in flags.items() if on)
     return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}{flag_text}",
-                model=model, mode=mode, microbatches=m, split=case_split,
-                virtual_stages=virtual_stages, checkpointing=flags.get("checkpointing", False),
+                config=model_config(**model), microbatches=m, split=case_split,
+                virtual_stages=virtual_stages,
                 sequence_parallel=flags.get("sequence_parallel", False),
+                runner_options=dict(transfer=mode,
+                                    activation_checkpointing=flags.get("checkpointing", False)),
                 reference=reference(name, 2 * dp * m, m, seed=m))
-
-
-def with_eval_check(cases: list[dict]) -> list[dict]:
-    """Mark the first case to also check forward-only evaluation and the gathered state."""
-    from pretrain.model import DenseFormer
-    from pretrain.model.state import load_full_model_state
-
-    case = cases[0]
-    state, tokens, _, _ = case["reference"]
-    model = DenseFormer(model_config(**case["model"]))
-    load_full_model_state(model, state)
-    with torch.no_grad():
-        case["eval_loss"] = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
-    case["check_eval_and_state"] = True
-    return cases
 
 
 def uneven3(d: int) -> list[int]:
@@ -363,13 +263,13 @@ def uneven3(d: int) -> list[int]:
     return [first, d - first - last, last]
 
 
-LAYOUTS = {  # name -> (world, tp, pp, dp, virtual stages, split)
-    "pp2": (2, 1, 2, 1, 1, None),
-    "pp2-interleaved": (2, 1, 2, 1, 2, None),
-    "pp3-uneven": (3, 1, 3, 1, 1, uneven3),
-    "pp4": (4, 1, 4, 1, 1, None),
-    "tp2-pp2": (4, 2, 2, 1, 1, None),
-    "pp2-dp2": (4, 1, 2, 2, 1, None),
+LAYOUTS = {  # name -> (tp, pp, dp, virtual stages, split)
+    "pp2": (1, 2, 1, 1, None),
+    "pp2-interleaved": (1, 2, 1, 2, None),
+    "pp3-uneven": (1, 3, 1, 1, uneven3),
+    "pp4": (1, 4, 1, 1, None),
+    "tp2-pp2": (2, 2, 1, 1, None),
+    "pp2-dp2": (1, 2, 2, 1, None),
 }
 ALL = [name for name in MODELS if name != "dense-4x5-triton"]  # triton: in tp2-pp2 below
 CKPT = {"checkpointing": True}
@@ -393,17 +293,13 @@ DEFAULT_CASES = {
 
 
 def run_layout(layout: str, entries, timeout_s: float):
-    world, tp, pp, dp, virtual, split = LAYOUTS[layout]
+    tp, pp, dp, virtual, split = LAYOUTS[layout]
     cases = [make_case(name, mode, m, pp=pp, virtual_stages=virtual, split=split, dp=dp,
                        **flags)
              for models, modes, counts, flags in entries
              for name, mode, m in itertools.product(models, modes, counts)
              if MODELS[name]["n_layers"] >= pp * virtual]
-    cases = with_eval_check(cases)
-    results = run_distributed_test(pipeline_cases, world, timeout_s, tp=tp, pp=pp,
-                                   cases=cases, dp=dp)
-    assert all(set(r) == {c["id"] for c in cases} for r in results)
-    return results
+    return run_cases_on_ranks(cases, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s)
 
 
 @pytest.mark.timeout(400)
@@ -419,7 +315,7 @@ def test_pipeline_layout_matches_single_process(layout):
 def test_pipeline_layout_exhaustive(layout):
     from parallel.strategies.schedule import schedule_problem
 
-    _, tp, pp, _, virtual, _ = LAYOUTS[layout]
+    tp, pp, _, virtual, _ = LAYOUTS[layout]
     counts = [m for m in range(1, 9) if schedule_problem(pp, virtual, m) is None]
     entries = [(ALL, ["raw", "optimal"], counts, {}), (ALL, ["raw", "optimal"], [2], CKPT)]
     if tp > 1:

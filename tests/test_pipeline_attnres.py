@@ -19,8 +19,8 @@ import random
 import pytest
 import torch
 
-from tests.distributed import run_distributed_test
-from tests.test_pipeline import random_splits, relative_error, step_gradient_errors
+from tests.pipeline_cases import check_stages_chained, reference_step, run_cases_on_ranks
+from tests.test_pipeline import random_splits
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8, connection="attnres")
 MODELS = {  # name -> (n_layers, attnres_blocks, extra DenseFormerConfig fields)
@@ -200,7 +200,6 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
     """(full state, tokens (batch, S + 1), loss, {name: full grad}) of the single-process
     model with random queries and key norms (non-uniform depth weights)."""
     from pretrain.model import DenseFormer
-    from pretrain.model.state import full_model_state
 
     model = DenseFormer(attnres_config(name), seed=7)
     gen = torch.Generator().manual_seed(seed)
@@ -208,14 +207,7 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
         model.attnres_query.copy_(torch.randn(model.attnres_query.shape, generator=gen))
         model.attnres_key_norm.add_(0.3 * torch.randn(model.attnres_key_norm.shape,
                                                       generator=gen))
-    tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["seq_len"] + 1), generator=gen)
-    total = 0.0
-    for part in tokens.chunk(microbatches):
-        loss = model.loss(part[:, :-1], part[:, 1:])
-        (loss / microbatches).backward()
-        total += loss.item() / microbatches
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return full_model_state(model), tokens, total, grads
+    return reference_step(model, batch, microbatches, gen)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -223,76 +215,27 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing):
     from parallel.strategies.plan import build_plan
-    from parallel.strategies.stage_model import StageModel, StageModule
-    from pretrain.model.state import load_full_model_state
 
-    state, tokens, ref_loss, ref_grads = reference(name, 4, 1)
+    ref = reference(name, 4, 1)
     cfg = attnres_config(name)
     d = cfg.n_layers
     splits = [[d - 1, 1], *random_splits(d, min(4, d), 2, random.Random(d))]
     for split in splits:
         plan = build_plan(cfg, len(split), split=split, transfer=mode)
-        model = StageModel(cfg, plan.programs, seed=1)
-        load_full_model_state(model, state)
-        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
-        out = stages[0](tokens[:, :-1])
-        for stage, program in zip(stages[1:], plan.programs[1:], strict=True):
-            assert len(out) == len(program.incoming)
-            out = stage(*out)
-        loss = model.head_loss(*out, tokens[:, 1:])
-        loss.backward()
-        assert abs(loss.item() - ref_loss) < 1e-5
-        for pname, param in model.named_parameters():
-            assert relative_error(param.grad, ref_grads[pname]) < 1e-5, (split, pname)
+        _, crossed = check_stages_chained(cfg, plan, ref, checkpointing, split)
+        assert [len(sent) for sent in crossed] == [len(p.incoming) for p in plan.programs[1:]]
 
 
-def attnres_cases(cases: list[dict], dp: int = 1) -> dict:
-    """Run each case on this rank; returns {case id: worst relative gradient error}."""
-    import torch.distributed as dist
-
-    from parallel.strategies.pipeline import PipelineRunner
-
-    worst = {}
-    for case in cases:
-        state, tokens, ref_loss, ref_grads = case["reference"]
-        m = case["microbatches"]
-        runner = PipelineRunner(
-            attnres_config(case["model"]), microbatches=m,
-            micro_batch=tokens.shape[0] // (dp * m), virtual_stages=case["virtual_stages"],
-            pp_split=case["split"], transfer=case["mode"], seed=3,
-            sequence_parallel=case["sequence_parallel"])
-        runner.load_model_state(state)
-        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
-        name = max(errors, key=errors.get)
-        assert errors[name] < case["grad_tolerance"], (case["id"], name, errors[name])
-        worst[case["id"]] = errors[name]
-        if case.get("eval_loss") is not None:  # forward only, states crossing by send/recv
-            runner.eval()
-            assert abs(runner.loss(tokens[:, :-1], tokens[:, 1:]).item()
-                       - case["eval_loss"]) < 1e-5
-            full = runner.full_model_state()
-            if dist.get_rank() == 0:
-                assert full.keys() == state.keys()
-                assert all(torch.equal(full[n], state[n]) for n in state)
-    return worst
-
-
-def make_case(name: str, mode: str, m: int, split, virtual_stages: int = 1,
-              check_eval: bool = False, dp: int = 1) -> dict:
-    state, tokens, loss, grads = reference(name, 2 * dp * m, m, seed=m)
-    case_split = split(MODELS[name][0]) if callable(split) else split
-    eval_loss = None
-    if check_eval:
-        from pretrain.model import DenseFormer
-        from pretrain.model.state import load_full_model_state
-
-        model = DenseFormer(attnres_config(name))
-        load_full_model_state(model, state)
-        with torch.no_grad():
-            eval_loss = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
-    return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}", model=name, mode=mode,
-                microbatches=m, split=case_split, virtual_stages=virtual_stages,
-                reference=(state, tokens, loss, grads), eval_loss=eval_loss)
+def make_case(name: str, mode: str, m: int, split, virtual_stages: int, tp: int, dp: int,
+              sequence_parallel: bool) -> dict:
+    """A case for `pipeline_cases`, with its reference (computed here, in the test process);
+    TP = 2 sums round in another order, so gradients are held to 3e-5 there."""
+    case_split = split(MODELS[name][0])
+    return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}",
+                config=attnres_config(name), microbatches=m, split=case_split,
+                virtual_stages=virtual_stages, runner_options=dict(transfer=mode),
+                grad_tolerance=1e-5 if tp == 1 else 3e-5, sequence_parallel=sequence_parallel,
+                reference=reference(name, 2 * dp * m, m, seed=m))
 
 
 def last_alone(d: int) -> list[int]:
@@ -330,18 +273,10 @@ DEFAULT_CASES = {
 
 def run_layout(layout: str, entries, timeout_s: float) -> None:
     pp, virtual, split, tp, dp = LAYOUTS[layout]
-    cases = [make_case(name, mode, m, split, virtual, dp=dp)
+    cases = [make_case(name, mode, m, split, virtual, tp, dp, layout in SEQUENCE_PARALLEL)
              for models, modes, counts in entries
              for name, mode, m in itertools.product(models, modes, counts)]
-    first = cases[0]
-    cases[0] = make_case(first["model"], first["mode"], first["microbatches"], split, virtual,
-                         check_eval=True, dp=dp)
-    for case in cases:
-        case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-5
-        case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
-    results = run_distributed_test(attnres_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
-                                   cases=cases, dp=dp)
-    assert all(set(r) == {c["id"] for c in cases} for r in results)
+    run_cases_on_ranks(cases, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s)
 
 
 @pytest.mark.timeout(300)

@@ -19,8 +19,8 @@ import random
 import pytest
 import torch
 
-from tests.distributed import run_distributed_test
-from tests.test_pipeline import random_splits, relative_error, step_gradient_errors
+from tests.pipeline_cases import check_stages_chained, reference_step, run_cases_on_ranks
+from tests.test_pipeline import random_splits
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8)
 MODELS = {  # name -> DenseFormerConfig fields beyond SHAPE
@@ -128,7 +128,6 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
     """(full state, tokens (batch, S + 1), loss, {name: full grad}) of the single-process
     model with every connection weight drawn away from its init."""
     from pretrain.model import DenseFormer
-    from pretrain.model.state import full_model_state
 
     model = DenseFormer(hc_config(name), seed=7)
     gen = torch.Generator().manual_seed(seed)
@@ -136,96 +135,45 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
         for pname, p in model.hc_parameters().items():
             p.add_((0.5 if pname.endswith("scale") else 0.3)
                    * torch.randn(p.shape, generator=gen))
-    tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["seq_len"] + 1), generator=gen)
-    total = 0.0
-    for part in tokens.chunk(microbatches):
-        loss = model.loss(part[:, :-1], part[:, 1:])
-        (loss / microbatches).backward()
-        total += loss.item() / microbatches
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return full_model_state(model), tokens, total, grads
+    return reference_step(model, batch, microbatches, gen)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_stages_chained_in_one_process_equal_the_model(name):
     from parallel.strategies.plan import build_plan
-    from parallel.strategies.stage_model import StageModel, StageModule
-    from pretrain.model.state import load_full_model_state
 
-    state, tokens, ref_loss, ref_grads = reference(name, 4, 1)
+    ref = reference(name, 4, 1)
+    ref_grads = ref[3]
     cfg = hc_config(name)
     d = cfg.n_layers
     # PP2, PP3 and one block per stage; activation checkpointing on the last.
     for split, checkpointing in (([d - 1, 1], False), ([1, d - 2, 1], False), ([1] * d, True)):
         plan = build_plan(cfg, len(split), split=split)
-        model = StageModel(cfg, plan.programs, seed=1)
-        load_full_model_state(model, state)
-        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
-        out = stages[0](tokens[:, :-1])
-        for stage in stages[1:]:
-            assert len(out) == 1 and out[0].shape == (4, SHAPE["seq_len"],
-                                                      cfg.hc_layout.streams, SHAPE["d_model"])
-            out = stage(*out)
-        loss = model.head_loss(*out, tokens[:, 1:])
-        loss.backward()
-        assert abs(loss.item() - ref_loss) < 1e-5, split
-        for pname, param in model.named_parameters():
-            assert relative_error(param.grad, ref_grads[pname]) < 1e-5, (split, pname)
+        model, crossed = check_stages_chained(cfg, plan, ref, checkpointing, split)
+        for sent in crossed:
+            assert len(sent) == 1 and sent[0].shape == (4, SHAPE["seq_len"],
+                                                        cfg.hc_layout.streams, SHAPE["d_model"])
         assert set(model.hc_names) <= set(ref_grads) and model.hc_names
         # The pipeline's sum over its group: here every stage ran on this one model.
         assert {id(p) for p in model.replicated_connection_parameters()} >= {
             id(p) for p in model.hc_parameters().values()}
 
 
-def hc_cases(cases: list[dict], dp: int = 1) -> dict:
-    """Run each case on this rank; returns {case id: worst relative gradient error}."""
-    import torch.distributed as dist
-
-    from parallel.strategies.pipeline import PipelineRunner
-
-    worst = {}
-    for case in cases:
-        state, tokens, ref_loss, ref_grads = case["reference"]
-        m = case["microbatches"]
-        runner = PipelineRunner(
-            hc_config(case["model"]), microbatches=m,
-            micro_batch=tokens.shape[0] // (dp * m), virtual_stages=case["virtual_stages"],
-            pp_split=case["split"], seed=3, sequence_parallel=case["sequence_parallel"])
-        runner.load_model_state(state)
-        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
-        model = runner.model
-        assert set(model.hc_names) <= errors.keys()
-        name = max(errors, key=errors.get)
-        assert errors[name] < case["grad_tolerance"], (case["id"], name, errors[name])
-        worst[case["id"]] = errors[name]
-        if case.get("eval_loss") is not None:  # forward only, by send/recv
-            runner.eval()
-            assert abs(runner.loss(tokens[:, :-1], tokens[:, 1:]).item()
-                       - case["eval_loss"]) < 1e-5
-            full = runner.full_model_state()
-            if dist.get_rank() == 0:
-                assert full.keys() == state.keys()
-                assert all(torch.equal(full[n], state[n]) for n in state)
-    return worst
+def check_hc_gradients(runner, case: dict, errors: dict) -> None:
+    """On the ranks: every connection weight's gradient was compared."""
+    assert set(runner.model.hc_names) <= errors.keys()
 
 
-def make_case(name: str, m: int, split, virtual_stages: int = 1, check_eval: bool = False,
-              dp: int = 1) -> dict:
-    state, tokens, loss, grads = reference(name, 2 * dp * m, m, seed=m)
+def make_case(name: str, m: int, split, virtual_stages: int, tp: int, dp: int,
+              sequence_parallel: bool) -> dict:
+    """A case for `pipeline_cases`, with its reference (computed here, in the test process);
+    TP = 2 holds gradients to 1e-4 (see above)."""
     cfg = hc_config(name)
     case_split = split(cfg.n_layers)
-    eval_loss = None
-    if check_eval:
-        from pretrain.model import DenseFormer
-        from pretrain.model.state import load_full_model_state
-
-        model = DenseFormer(cfg)
-        load_full_model_state(model, state)
-        with torch.no_grad():
-            eval_loss = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
-    return dict(id=f"{name}/m{m}/v{virtual_stages}/{case_split}", model=name, microbatches=m,
+    return dict(id=f"{name}/m{m}/v{virtual_stages}/{case_split}", config=cfg, microbatches=m,
                 split=case_split, virtual_stages=virtual_stages,
-                reference=(state, tokens, loss, grads), eval_loss=eval_loss)
+                grad_tolerance=1e-5 if tp == 1 else 1e-4, sequence_parallel=sequence_parallel,
+                reference=reference(name, 2 * dp * m, m, seed=m))
 
 
 # On ranks, all slow (the default suite's time budget: a spawn costs ~12 s; PP2, PP3 and
@@ -243,14 +191,10 @@ SEQUENCE_PARALLEL = {"tp2-pp2-sp"}
 
 def run_layout(layout: str, models, counts, timeout_s: float) -> list[dict]:
     pp, virtual, split, tp, dp = LAYOUTS[layout]
-    cases = [make_case(name, m, split, virtual, check_eval=n == 0, dp=dp)
-             for n, (name, m) in enumerate(itertools.product(models, counts))]
-    for case in cases:
-        case["grad_tolerance"] = 1e-5 if tp == 1 else 1e-4
-        case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
-    results = run_distributed_test(hc_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
-                                   cases=cases, dp=dp)
-    assert all(set(r) == {c["id"] for c in cases} for r in results)
+    cases = [make_case(name, m, split, virtual, tp, dp, layout in SEQUENCE_PARALLEL)
+             for name, m in itertools.product(models, counts)]
+    results = run_cases_on_ranks(cases, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s,
+                                 check=check_hc_gradients)
     print(layout, "worst relative gradient error:", max(max(r.values()) for r in results))
     return cases
 

@@ -20,8 +20,8 @@ import random
 import pytest
 import torch
 
-from tests.distributed import run_distributed_test
-from tests.test_pipeline import random_splits, relative_error, step_gradient_errors
+from tests.pipeline_cases import check_stages_chained, reference_step, run_cases_on_ranks
+from tests.test_pipeline import random_splits
 
 SHAPE = dict(d_model=32, n_heads=4, vocab_size=200, seq_len=8, connection="mudd")
 MODELS = {  # name -> (n_layers, dynamic, streams, extra DenseFormerConfig fields)
@@ -141,7 +141,6 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
     """(full state, tokens (batch, S + 1), loss, {name: full grad}) of the single-process
     model with random mix weights (a_i, W1_i, W2_i)."""
     from pretrain.model import DenseFormer
-    from pretrain.model.state import full_model_state
 
     model = DenseFormer(mudd_config(name), seed=7)
     gen = torch.Generator().manual_seed(seed)
@@ -149,14 +148,7 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
         for params in (model.mudd_static, model.mudd_w1, model.mudd_w2):
             for p in params.values():
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["seq_len"] + 1), generator=gen)
-    total = 0.0
-    for part in tokens.chunk(microbatches):
-        loss = model.loss(part[:, :-1], part[:, 1:])
-        (loss / microbatches).backward()
-        total += loss.item() / microbatches
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return full_model_state(model), tokens, total, grads
+    return reference_step(model, batch, microbatches, gen)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -164,10 +156,9 @@ def reference(name: str, batch: int, microbatches: int, seed: int = 0):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing):
     from parallel.strategies.plan import build_plan
-    from parallel.strategies.stage_model import StageModel, StageModule
-    from pretrain.model.state import load_full_model_state
 
-    state, tokens, ref_loss, ref_grads = reference(name, 4, 1)
+    ref = reference(name, 4, 1)
+    mudd_names = {n for n in ref[3] if n.startswith("mudd_")}  # ref[3]: the gradients
     cfg = mudd_config(name)
     d = cfg.n_layers
     splits = [[d - 1, 1], [d - 2, 1, 1], *random_splits(d, min(4, d), 2, random.Random(d))]
@@ -175,79 +166,35 @@ def test_stages_chained_in_one_process_equal_the_model(name, mode, checkpointing
     for split in splits:
         plan = build_plan(cfg, len(split), split=split, transfer=mode)
         partial += sum(item.kind != "x" for p in plan.programs for item in p.outgoing)
-        model = StageModel(cfg, plan.programs, seed=1)
-        load_full_model_state(model, state)
-        stages = [StageModule(model, program, checkpointing) for program in plan.programs]
-        out = stages[0](tokens[:, :-1])
-        for stage, program in zip(stages[1:], plan.programs[1:], strict=True):
-            assert len(out) == len(program.incoming)
-            out = stage(*out)
-        loss = model.head_loss(*out, tokens[:, 1:])
-        loss.backward()
-        assert abs(loss.item() - ref_loss) < 1e-5
-        names = set()
-        for pname, param in model.named_parameters():
-            assert relative_error(param.grad, ref_grads[pname]) < 1e-5, (split, pname)
-            names.add(pname)
-        assert {n for n in ref_grads if n.startswith("mudd_")} <= names or cfg.mudd_dynamic
+        model, crossed = check_stages_chained(cfg, plan, ref, checkpointing, split)
+        assert [len(sent) for sent in crossed] == [len(p.incoming) for p in plan.programs[1:]]
+        names = {pname for pname, _ in model.named_parameters()}
+        assert mudd_names <= names or cfg.mudd_dynamic
     # Static weights in optimal mode send partial sums somewhere (dynamic: never).
     assert (partial > 0) == (mode == "optimal" and not cfg.mudd_dynamic)
 
 
-def mudd_cases(cases: list[dict], dp: int = 1) -> dict:
-    """Run each case on this rank; returns {case id: worst relative gradient error}."""
-    import torch.distributed as dist
-
-    from parallel.strategies.pipeline import PipelineRunner
-
-    worst = {}
-    for case in cases:
-        state, tokens, ref_loss, ref_grads = case["reference"]
-        m = case["microbatches"]
-        runner = PipelineRunner(
-            mudd_config(case["model"]), microbatches=m,
-            micro_batch=tokens.shape[0] // (dp * m), virtual_stages=case["virtual_stages"],
-            pp_split=case["split"], transfer=case["mode"], seed=3,
-            sequence_parallel=case["sequence_parallel"])
-        runner.load_model_state(state)
-        sent = [item for p in runner.plan.programs for item in p.outgoing]
-        assert any(item.kind != "x" for item in sent) == case["partial"], case["id"]
-        errors = step_gradient_errors(runner, tokens, case, dp, ref_loss, ref_grads)
-        name = max(errors, key=errors.get)
-        assert errors[name] < case["grad_tolerance"], (case["id"], name, errors[name])
-        worst[case["id"]] = errors[name]
-        if case.get("eval_loss") is not None:  # forward only, by send/recv
-            runner.eval()
-            assert abs(runner.loss(tokens[:, :-1], tokens[:, 1:]).item()
-                       - case["eval_loss"]) < 1e-5
-            full = runner.full_model_state()
-            if dist.get_rank() == 0:
-                assert full.keys() == state.keys()
-                assert all(torch.equal(full[n], state[n]) for n in state)
-    return worst
+def check_partial_sums(runner, case: dict, errors: dict) -> None:
+    """On the ranks: the runner's plan sends partial sums exactly where the case's did."""
+    sent = [item for p in runner.plan.programs for item in p.outgoing]
+    assert any(item.kind != "x" for item in sent) == case["partial"], case["id"]
 
 
-def make_case(name: str, mode: str, m: int, split, virtual_stages: int = 1,
-              check_eval: bool = False, dp: int = 1) -> dict:
+def make_case(name: str, mode: str, m: int, split, virtual_stages: int, tp: int, dp: int,
+              sequence_parallel: bool) -> dict:
+    """A case for `pipeline_cases`, with its reference (computed here, in the test process)
+    and whether its plan sends partial sums; TP = 2 holds gradients to 3e-4 (see above)."""
     from parallel.strategies.plan import build_plan
 
-    state, tokens, loss, grads = reference(name, 2 * dp * m, m, seed=m)
     cfg = mudd_config(name)
-    case_split = split(cfg.n_layers) if callable(split) else split
+    case_split = split(cfg.n_layers)
     plan = build_plan(cfg, len(case_split) // virtual_stages, virtual_stages, case_split, mode)
     partial = any(item.kind != "x" for p in plan.programs for item in p.outgoing)
-    eval_loss = None
-    if check_eval:
-        from pretrain.model import DenseFormer
-        from pretrain.model.state import load_full_model_state
-
-        model = DenseFormer(cfg)
-        load_full_model_state(model, state)
-        with torch.no_grad():
-            eval_loss = model.loss(tokens[:, :-1], tokens[:, 1:]).item()
-    return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}", model=name, mode=mode,
-                microbatches=m, split=case_split, virtual_stages=virtual_stages,
-                reference=(state, tokens, loss, grads), eval_loss=eval_loss, partial=partial)
+    return dict(id=f"{name}/{mode}/m{m}/v{virtual_stages}/{case_split}", model=name,
+                config=cfg, microbatches=m, split=case_split, virtual_stages=virtual_stages,
+                runner_options=dict(transfer=mode), partial=partial,
+                grad_tolerance=1e-5 if tp == 1 else 3e-4, sequence_parallel=sequence_parallel,
+                reference=reference(name, 2 * dp * m, m, seed=m))
 
 
 def last_alone(d: int) -> list[int]:
@@ -285,18 +232,10 @@ DEFAULT_CASES = {
 
 def run_layout(layout: str, entries, timeout_s: float) -> None:
     pp, virtual, split, tp, dp = LAYOUTS[layout]
-    cases = [make_case(name, mode, m, split, virtual, dp=dp)
+    cases = [make_case(name, mode, m, split, virtual, tp, dp, layout in SEQUENCE_PARALLEL)
              for models, modes, counts in entries
              for name, mode, m in itertools.product(models, modes, counts)]
-    first = cases[0]
-    cases[0] = make_case(first["model"], first["mode"], first["microbatches"], split, virtual,
-                         check_eval=True, dp=dp)
-    for case in cases:
-        case["grad_tolerance"] = 1e-5 if tp == 1 else 3e-4
-        case["sequence_parallel"] = layout in SEQUENCE_PARALLEL
-    results = run_distributed_test(mudd_cases, pp * tp * dp, timeout_s, tp=tp, pp=pp,
-                                   cases=cases, dp=dp)
-    assert all(set(r) == {c["id"] for c in cases} for r in results)
+    run_cases_on_ranks(cases, tp=tp, pp=pp, dp=dp, timeout_s=timeout_s, check=check_partial_sums)
     return cases
 
 
