@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_sessionstart(session):
-    """Build (or find) and load Hyper-Connections' CPU kernels before any test runs: the
-    build starts the C compiler, which a fast-tier test may not do (tests/tiers.py)."""
+    """Before any test runs, what starts a process on first use, which a fast-tier test may
+    not do (tests/tiers.py): build (or find) and load Hyper-Connections' CPU kernels (the C
+    compiler), and import matplotlib's font manager (on a fresh machine it lists the fonts
+    with fc-list to build its cache)."""
+    import matplotlib.font_manager  # noqa: F401
+
     from pretrain.model import hc_native
 
     hc_native.lib()
