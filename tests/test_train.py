@@ -48,6 +48,7 @@ def test_training_reduces_loss_and_resume_is_bitwise_exact(tiny_data, tmp_path):
     straight, sliced = tmp_path / "straight", tmp_path / "sliced"
     done = run(train_cmd(tiny_data, straight, "train.steps=30", "train.eval_every=10"))
     assert done.returncode == 0, done.stderr
+    assert "CPU memory: " in done.stderr  # what the trainer did with malloc (cpu_memory.py)
     curve = losses(straight)
     assert sorted(curve) == list(range(1, 31))
     assert sum(list(curve.values())[-5:]) / 5 < curve[1] - 0.5  # it learns
