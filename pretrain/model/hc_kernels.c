@@ -329,16 +329,15 @@ INLINE void dynamic_read_backward_token_##sfx(int64_t n, int64_t H, const real *
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-/* The chunks' partial sums (rows of `stride`, the first w H + small used), in order. */     \
-INLINE void dynamic_read_sums_##sfx(int64_t chunks, int64_t stride, int64_t n,               \
-                                    int64_t H, const real *partial, real *dprojT,            \
-                                    real *dAm, real *dAr, real *dB, real *dscale,            \
-                                    int threads) {                                           \
-    const int64_t w = n + 2, small = n + n * n + n + 2;                                      \
+/* The chunks' partial sums (rows of w H + small), added in order. */                        \
+INLINE void dynamic_read_sums_##sfx(int64_t chunks, int64_t n, int64_t H,                    \
+                                    const real *partial, real *dprojT, real *dAm,            \
+                                    real *dAr, real *dB, real *dscale, int threads) {        \
+    const int64_t w = n + 2, small = n + n * n + n + 2, width = w * H + small;               \
     OMP_FOR                                                                                  \
-    for (int64_t i = 0; i < w * H + small; i++) {                                            \
+    for (int64_t i = 0; i < width; i++) {                                                    \
         real a = 0;                                                                          \
-        for (int64_t c = 0; c < chunks; c++) a += partial[c * stride + i];                   \
+        for (int64_t c = 0; c < chunks; c++) a += partial[c * width + i];                    \
         if (i < w * H) dprojT[i] = a;                                                        \
         else {                                                                               \
             const int64_t s = i - w * H;                                                     \
@@ -380,8 +379,7 @@ HOT int hc_dynamic_read_backward_##sfx(int64_t T, int64_t n, int64_t H, const re
                        r + t * n, dh + t * H, dmix + t * n * n, dpost + t * n, acc,          \
                        acc + w * H, dX + t * n * H, accumulate);                             \
     }                                                                                        \
-    dynamic_read_sums_##sfx(chunks, width, n, H, partial, dprojT, dAm, dAr, dB, dscale,      \
-                            threads);                                                        \
+    dynamic_read_sums_##sfx(chunks, n, H, partial, dprojT, dAm, dAr, dB, dscale, threads);   \
     free(partial);                                                                           \
     return 0;                                                                                \
 }                                                                                            \
